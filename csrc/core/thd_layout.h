@@ -1,0 +1,73 @@
+/*
+ * thd_layout.h: the index math shared by the CPU and CUDA paths (NCP_HD = host and device).
+ *
+ * DualChunkSwap (Transformer Engine's thd_get_partitioned_indices): every document of padded
+ * length n is cut into 2W chunks of n/(2W) tokens; rank r owns chunk r and chunk 2W-1-r. For
+ * output slot t of rank r, with cs[i] = cu[i] / W:
+ *     s    = the last i with cs[i] <= t (TE's binary search over cs[1..batch])
+ *     i    = t - cs[s],  half = (cs[s+1] - cs[s]) / 2
+ *     off  = i < half ? r : 2W - 2 - r
+ *     src  = i + cs[s] * W + half * off
+ * Slots past cu[-1] keep the last document's tail offset, exactly as TE does (spec 11.4).
+ *
+ * Also: torch.searchsorted(..., right=True) semantics (upper bound), used by the padding mask of
+ * the framework's _thd_padding_mask, reproduced bit for bit even on unsorted input.
+ */
+#ifndef NCP_THD_LAYOUT_H
+#define NCP_THD_LAYOUT_H
+
+#include <stdint.h>
+
+#ifdef __CUDACC__
+#define NCP_HD __host__ __device__ __forceinline__
+#else
+#define NCP_HD static inline
+#endif
+
+/* Global source index of output slot t for rank r (TE's kernel, line for line). */
+NCP_HD int64_t ncp_te_src_index(const int32_t *cu, int32_t n_cu, int64_t t, int32_t W, int32_t r) {
+    int32_t left = 1, right = n_cu - 1;
+    while (left < right) {
+        int32_t mid = (left + right) / 2;
+        if ((int64_t)(cu[mid] / W) <= t) left = mid + 1;
+        else right = mid;
+    }
+    int32_t s = left - 1;
+    int64_t start = cu[s] / W;
+    int64_t len = cu[s + 1] / W - start;
+    int64_t i = t - start;
+    int64_t half = len / 2;
+    int64_t off = (i < half) ? r : (2 * (int64_t)W - 2 - r);
+    return i + start * W + half * off;
+}
+
+/* torch.searchsorted(sorted, value, right=True) on n entries: the upper bound, with torch's loop. */
+NCP_HD int64_t ncp_upper_bound_i64(const int64_t *a, int64_t n, int64_t value) {
+    int64_t start = 0, end = n;
+    while (start < end) {
+        int64_t mid = start + ((end - start) >> 1);
+        if (!(value < a[mid])) start = mid + 1;
+        else end = mid;
+    }
+    return start;
+}
+
+/* The framework's _thd_padding_mask at position p of a chunk (spec mimo_te.md 7.4):
+ * starts has n_slots+1 entries (0, cumsum(slots)), reals has n_reals >= 1 entries. */
+NCP_HD int ncp_thd_is_padding(const int64_t *starts, int64_t n_slots, const int64_t *reals, int64_t n_reals,
+                              int64_t p) {
+    int64_t seg = ncp_upper_bound_i64(starts + 1, n_slots, p);
+    if (seg > n_reals - 1) seg = n_reals - 1;
+    int pad = (p - starts[seg]) >= reals[seg];
+    return pad || (p >= starts[n_slots]);
+}
+
+/* Layout of the MiMo kernel table (int64 words), written by ncp_mimo_layout:
+ *   word 0: C; then per chunk c at 1 + NCP_MIMO_DESC * c:
+ *     [0] cu_off   [1] n_cu     partition boundaries (W > 1), int32 packed two per word
+ *     [2] st_off   [3] n_slots  padding-mask starts (n_slots + 1 entries)
+ *     [4] re_off   [5] n_reals  padding-mask real lengths
+ */
+#define NCP_MIMO_DESC 8
+
+#endif /* NCP_THD_LAYOUT_H */

@@ -1,0 +1,326 @@
+/*
+ * cpu/sink_attn.c: learned-sink attention, CPU backend and second oracle (forward and backward).
+ *
+ * For query i, query head h, kv head g = h / (Hq / Hkv), visible keys V(i), scale s, sink a_h:
+ *     z_ij  = s * <q_i, k_j>                      (the sink logit a_h is not scaled)
+ *     m_i   = max(a_h, max_j z_ij),  l_i = exp(a_h - m_i) + sum_j exp(z_ij - m_i)
+ *     lse_i = m_i + log l_i,  O_i = sum_j exp(z_ij - lse_i) v_j        (the sink's value is zero)
+ * Backward: D_i = <dO_i, O_i>, dz_ij = P_ij (<dO_i, v_j> - D_i), dq = s * dz k, dk = s * dz^T q,
+ * dv = P^T dO, dsink_h = -sum_i exp(a_h - lse_i) D_i. A row that sees nothing: O = 0, lse = a_h.
+ *
+ * Masks: contiguous mode (q_pos == NULL): V(i) = [max(doc_start(i), i - window + 1), i];
+ * positions mode: V(i) = { j : q_lo[i] <= k_pos[j] <= q_pos[i] } with k_pos non-decreasing.
+ *
+ * Plain loops, every sum in double: any of f16/bf16/f32/f64 in, the same dtype out, lse in fp32.
+ * The backward recomputes the softmax statistics in double (lse input is validated, not trusted).
+ * Tests: tests/test_sink_attention.py (CPU cases, gradcheck in fp64).
+ */
+#include <inttypes.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ncp/ncp.h"
+#include "ncp/ncp_check.h"
+#include "../core/ncp_internal.h"
+
+/* ---------------------------------------------------------------------------------------- */
+/* scalar conversions                                                                        */
+/* ---------------------------------------------------------------------------------------- */
+
+static double half_to_double(uint16_t h) {
+    int sign = h >> 15, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+    double v;
+    if (exp == 0) v = ldexp((double)man, -24);
+    else if (exp == 31) v = man ? NAN : INFINITY;
+    else v = ldexp((double)(man | 0x400), exp - 25);
+    return sign ? -v : v;
+}
+
+static uint16_t double_to_half(double d) {
+    float f = (float)d;
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    uint32_t sign = (x >> 16) & 0x8000u;
+    uint32_t absx = x & 0x7fffffffu;
+    if (absx >= 0x7f800000u) return (uint16_t)(sign | 0x7c00u | (absx > 0x7f800000u ? 0x200u : 0));
+    if (absx >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u); /* rounds to inf */
+    if (absx < 0x38800000u) {                                   /* subnormal or zero in half */
+        float a;
+        memcpy(&a, &absx, 4);
+        uint32_t q = (uint32_t)nearbyintf(a * 16777216.0f);     /* units of 2^-24, ties to even */
+        return (uint16_t)(sign | q);
+    }
+    uint32_t man = absx & 0x7fffffu, e = (absx >> 23) - 127 + 15;
+    uint32_t out = (e << 10) | (man >> 13);
+    uint32_t rem = man & 0x1fffu;
+    if (rem > 0x1000u || (rem == 0x1000u && (out & 1u))) out += 1;
+    return (uint16_t)(sign | out);
+}
+
+static double bf16_to_double(uint16_t b) {
+    uint32_t x = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &x, 4);
+    return f;
+}
+
+static uint16_t double_to_bf16(double d) {
+    float f = (float)d;
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    if ((x & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x >> 16) | 0x40u);
+    x += 0x7fffu + ((x >> 16) & 1u);
+    return (uint16_t)(x >> 16);
+}
+
+static double load(const void *base, ncp_dtype dt, int64_t i) {
+    switch (dt) {
+    case NCP_DT_F16: return half_to_double(((const uint16_t *)base)[i]);
+    case NCP_DT_BF16: return bf16_to_double(((const uint16_t *)base)[i]);
+    case NCP_DT_F32: return ((const float *)base)[i];
+    default: return ((const double *)base)[i];
+    }
+}
+
+static void store(void *base, ncp_dtype dt, int64_t i, double v) {
+    switch (dt) {
+    case NCP_DT_F16: ((uint16_t *)base)[i] = double_to_half(v); break;
+    case NCP_DT_BF16: ((uint16_t *)base)[i] = double_to_bf16(v); break;
+    case NCP_DT_F32: ((float *)base)[i] = (float)v; break;
+    default: ((double *)base)[i] = v; break;
+    }
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* validation (shared with the CUDA entry points)                                            */
+/* ---------------------------------------------------------------------------------------- */
+
+ncp_status ncp_sink_attn_check(const ncp_sink_attn_params *p, int on_cuda) {
+    NCP_ARG_CHECK(p != NULL, "sink_attention: params must not be NULL");
+    NCP_ARG_CHECK(p->q && p->k && p->v && p->out && p->lse, "q, k, v, out and lse must not be NULL");
+    NCP_ARG_CHECK(p->Tq >= 0 && p->Tk >= 0, "token counts must be >= 0; got Tq=%" PRId32 ", Tk=%" PRId32, p->Tq, p->Tk);
+    NCP_ARG_CHECK(p->Hq > 0 && p->Hkv > 0 && p->Hq % p->Hkv == 0,
+                  "the number of query heads (%" PRId32 ") must be a positive multiple of the kv heads (%" PRId32 ")",
+                  p->Hq, p->Hkv);
+    NCP_ARG_CHECK(p->D > 0, "head_dim must be > 0; got %" PRId32, p->D);
+    NCP_ARG_CHECK(p->window >= 0, "window must be >= 0; got %" PRId32, p->window);
+    NCP_ARG_CHECK(isfinite(p->scale), "scale must be finite");
+    NCP_ARG_CHECK(p->sink == NULL || p->sink_dt == NCP_DT_F32 || (!on_cuda && p->sink_dt == NCP_DT_F64),
+                  "sink must be float32%s", on_cuda ? "" : " (or float64 with float64 q on the CPU)");
+    if (on_cuda) {
+        NCP_ARG_CHECK(p->dtype == NCP_DT_F16 || p->dtype == NCP_DT_BF16,
+                      "q, k and v must be float16 or bfloat16 on CUDA");
+        NCP_ARG_CHECK(p->D == 64 || p->D == 128, "head_dim must be 64 or 128 on CUDA; got %" PRId32, p->D);
+    } else {
+        NCP_ARG_CHECK(p->dtype == NCP_DT_F16 || p->dtype == NCP_DT_BF16 || p->dtype == NCP_DT_F32 ||
+                          p->dtype == NCP_DT_F64,
+                      "q, k and v must be float16, bfloat16, float32 or float64 on the CPU");
+    }
+    if (p->q_pos == NULL) {
+        NCP_ARG_CHECK(p->Tq == p->Tk, "q and k must have the same number of tokens; got %" PRId32 " and %" PRId32,
+                      p->Tq, p->Tk);
+        NCP_ARG_CHECK(p->cu_seqlens != NULL && p->n_cu >= 1, "cu_seqlens must have at least one entry");
+    } else {
+        NCP_ARG_CHECK(p->q_lo != NULL && p->k_pos != NULL, "positions mode needs q_pos, q_lo and k_pos");
+        NCP_ARG_CHECK(!on_cuda || (p->fwd_off != NULL && p->fwd_ent != NULL),
+                      "positions mode on CUDA needs a forward tile schedule");
+    }
+    return NCP_OK;
+}
+
+ncp_status ncp_sink_attn_bwd_check(const ncp_sink_attn_bwd_params *p, int on_cuda) {
+    NCP_ARG_CHECK(p != NULL, "sink_attention backward: params must not be NULL");
+    NCP_TRY(ncp_sink_attn_check(&p->f, on_cuda));
+    NCP_ARG_CHECK(p->dout && p->dq && p->dk && p->dv, "dout, dq, dk and dv must not be NULL");
+    NCP_ARG_CHECK((p->f.sink == NULL) == (p->dsink == NULL), "dsink must be given exactly when sink is");
+    if (on_cuda) {
+        NCP_ARG_CHECK(p->delta != NULL, "the CUDA backward needs a delta workspace");
+        NCP_ARG_CHECK(p->f.sink == NULL || (p->dsink_part != NULL && p->n_part >= ncp_sink_attn_bwd_n_part(p->f.Tq)),
+                      "the CUDA backward needs a dsink workspace of %" PRId32 " partials per head",
+                      ncp_sink_attn_bwd_n_part(p->f.Tq));
+        NCP_ARG_CHECK(p->f.q_pos == NULL || (p->dq_off && p->dq_ent && p->dkv_off && p->dkv_ent),
+                      "positions mode on CUDA needs the dq and dk/dv tile schedules");
+    }
+    return NCP_OK;
+}
+
+/* Host-side checks of the mask arrays (CPU path only: the data is on the host). */
+static ncp_status check_mask_host(const ncp_sink_attn_params *p) {
+    if (p->q_pos == NULL) {
+        const int32_t *cu = p->cu_seqlens;
+        NCP_ARG_CHECK(cu[0] == 0, "cu_seqlens must start at 0; got %" PRId32, cu[0]);
+        for (int32_t i = 1; i < p->n_cu; ++i)
+            NCP_ARG_CHECK(cu[i] >= cu[i - 1], "cu_seqlens must be non-decreasing; cu_seqlens[%" PRId32 "]=%" PRId32
+                          " < cu_seqlens[%" PRId32 "]=%" PRId32, i, cu[i], i - 1, cu[i - 1]);
+        NCP_ARG_CHECK(cu[p->n_cu - 1] == p->Tq, "cu_seqlens must end at the number of tokens %" PRId32 "; got %" PRId32,
+                      p->Tq, cu[p->n_cu - 1]);
+    } else {
+        for (int32_t j = 1; j < p->Tk; ++j)
+            NCP_ARG_CHECK(p->k_pos[j] >= p->k_pos[j - 1], "k_pos must be non-decreasing (index %" PRId32 ")", j);
+    }
+    return NCP_OK;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* per-row key ranges                                                                        */
+/* ---------------------------------------------------------------------------------------- */
+
+static int32_t lower_bound_i32(const int32_t *a, int32_t n, int64_t v) {
+    int32_t lo = 0, hi = n;
+    while (lo < hi) {
+        int32_t mid = lo + (hi - lo) / 2;
+        if ((int64_t)a[mid] < v) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo;
+}
+
+/* Visible keys of query i form the index range [*j0, *j1). `doc` walks cu_seqlens forward. */
+static void key_range(const ncp_sink_attn_params *p, int32_t i, int32_t *doc, int32_t *j0, int32_t *j1) {
+    if (p->q_pos == NULL) {
+        while (*doc + 1 < p->n_cu - 1 && p->cu_seqlens[*doc + 1] <= i) ++*doc;
+        int64_t lo = p->cu_seqlens[*doc];
+        if (p->window > 0 && (int64_t)i - p->window + 1 > lo) lo = (int64_t)i - p->window + 1;
+        *j0 = (int32_t)lo;
+        *j1 = i + 1;
+        return;
+    }
+    *j0 = lower_bound_i32(p->k_pos, p->Tk, p->q_lo[i]);
+    *j1 = lower_bound_i32(p->k_pos, p->Tk, (int64_t)p->q_pos[i] + 1);
+    if (*j1 < *j0) *j1 = *j0;
+}
+
+/* Scores of row (i, h) over keys [j0, j1) into z; returns lse (or -inf without sink and keys). */
+static double row_scores(const ncp_sink_attn_params *p, int32_t i, int32_t h, int32_t j0, int32_t j1, double *z,
+                         double *qrow) {
+    const int32_t g = h / (p->Hq / p->Hkv), D = p->D;
+    for (int32_t d = 0; d < D; ++d) qrow[d] = load(p->q, p->dtype, (int64_t)i * p->q_st + (int64_t)h * p->q_sh + d);
+    double m = p->sink ? load(p->sink, p->sink_dt, h) : -INFINITY;
+    for (int32_t j = j0; j < j1; ++j) {
+        const int64_t kb = (int64_t)j * p->k_st + (int64_t)g * p->k_sh;
+        double acc = 0.0;
+        for (int32_t d = 0; d < D; ++d) acc += qrow[d] * load(p->k, p->dtype, kb + d);
+        z[j - j0] = acc * (double)p->scale;
+        if (z[j - j0] > m) m = z[j - j0];
+    }
+    if (m == -INFINITY) return -INFINITY;
+    double l = p->sink ? exp(load(p->sink, p->sink_dt, h) - m) : 0.0;
+    for (int32_t j = j0; j < j1; ++j) l += exp(z[j - j0] - m);
+    return m + log(l);
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* forward                                                                                   */
+/* ---------------------------------------------------------------------------------------- */
+
+ncp_status ncp_sink_attn_fwd_cpu(const ncp_sink_attn_params *p) {
+    NCP_TRY(ncp_sink_attn_check(p, 0));
+    NCP_TRY(check_mask_host(p));
+    const int32_t D = p->D, G = p->Hq / p->Hkv;
+    double *z = (double *)malloc(((size_t)p->Tk + 1) * sizeof(double));
+    double *acc = (double *)malloc((size_t)D * 2 * sizeof(double));
+    if (z == NULL || acc == NULL) {
+        free(z);
+        free(acc);
+        NCP_FAIL(NCP_ERR_NOMEM, "out of host memory in sink_attention");
+    }
+    double *qrow = acc + D;
+    int32_t doc = 0;
+    for (int32_t i = 0; i < p->Tq; ++i) {
+        int32_t j0, j1;
+        key_range(p, i, &doc, &j0, &j1);
+        for (int32_t h = 0; h < p->Hq; ++h) {
+            const double lse = row_scores(p, i, h, j0, j1, z, qrow);
+            memset(acc, 0, (size_t)D * sizeof(double));
+            for (int32_t j = j0; lse != -INFINITY && j < j1; ++j) {
+                const double w = exp(z[j - j0] - lse);
+                const int64_t vb = (int64_t)j * p->v_st + (int64_t)(h / G) * p->v_sh;
+                for (int32_t d = 0; d < D; ++d) acc[d] += w * load(p->v, p->dtype, vb + d);
+            }
+            const int64_t ob = (int64_t)i * p->o_st + (int64_t)h * p->o_sh;
+            for (int32_t d = 0; d < D; ++d) store(p->out, p->dtype, ob + d, acc[d]);
+            p->lse[(int64_t)h * p->Tq + i] = (float)lse;
+        }
+    }
+    free(z);
+    free(acc);
+    return NCP_OK;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* backward                                                                                  */
+/* ---------------------------------------------------------------------------------------- */
+
+/* One (query, head) row of the backward: accumulates dk/dv (double) and returns D_i. */
+static double bwd_row(const ncp_sink_attn_bwd_params *b, int32_t i, int32_t h, int32_t j0, int32_t j1, double *z,
+                      double *work, double *dk_acc, double *dv_acc) {
+    const ncp_sink_attn_params *p = &b->f;
+    const int32_t D = p->D, g = h / (p->Hq / p->Hkv);
+    double *qrow = work, *dorow = work + D, *dqrow = work + 2 * D;
+    const double lse = row_scores(p, i, h, j0, j1, z, qrow);
+    const int64_t ob = (int64_t)i * p->o_st + (int64_t)h * p->o_sh, db = (int64_t)i * b->do_st + (int64_t)h * b->do_sh;
+    double delta = 0.0;
+    for (int32_t d = 0; d < D; ++d) {
+        dorow[d] = load(b->dout, p->dtype, db + d);
+        delta += dorow[d] * load(p->out, p->dtype, ob + d);
+        dqrow[d] = 0.0;
+    }
+    for (int32_t j = j0; lse != -INFINITY && j < j1; ++j) {
+        const double P = exp(z[j - j0] - lse);
+        const int64_t kb = (int64_t)j * p->k_st + (int64_t)g * p->k_sh, vb = (int64_t)j * p->v_st + (int64_t)g * p->v_sh;
+        double dp = 0.0;
+        for (int32_t d = 0; d < D; ++d) dp += dorow[d] * load(p->v, p->dtype, vb + d);
+        const double dz = P * (dp - delta) * (double)p->scale;
+        double *dkj = dk_acc + ((int64_t)j * p->Hkv + g) * D, *dvj = dv_acc + ((int64_t)j * p->Hkv + g) * D;
+        for (int32_t d = 0; d < D; ++d) {
+            dqrow[d] += dz * load(p->k, p->dtype, kb + d);
+            dkj[d] += dz * qrow[d];
+            dvj[d] += P * dorow[d];
+        }
+    }
+    const int64_t qb = (int64_t)i * b->dq_st + (int64_t)h * b->dq_sh;
+    for (int32_t d = 0; d < D; ++d) store(b->dq, p->dtype, qb + d, dqrow[d]);
+    if (b->delta != NULL) b->delta[(int64_t)h * p->Tq + i] = (float)delta;
+    return p->sink && lse != -INFINITY ? -exp(load(p->sink, p->sink_dt, h) - lse) * delta : 0.0;
+}
+
+ncp_status ncp_sink_attn_bwd_cpu(const ncp_sink_attn_bwd_params *b) {
+    NCP_TRY(ncp_sink_attn_bwd_check(b, 0));
+    const ncp_sink_attn_params *p = &b->f;
+    NCP_TRY(check_mask_host(p));
+    const int32_t D = p->D, Hkv = p->Hkv;
+    const size_t kv_elems = (size_t)p->Tk * (size_t)Hkv * (size_t)D;
+    double *z = (double *)malloc(((size_t)p->Tk + 1) * sizeof(double));
+    double *work = (double *)malloc((size_t)D * 3 * sizeof(double));
+    double *dk_acc = (double *)calloc(kv_elems + 1, sizeof(double));
+    double *dv_acc = (double *)calloc(kv_elems + 1, sizeof(double));
+    double *ds = (double *)calloc((size_t)p->Hq, sizeof(double));
+    ncp_status st = NCP_OK;
+    if (!z || !work || !dk_acc || !dv_acc || !ds) {
+        st = ncp_set_error(NCP_ERR_NOMEM, NULL, 0, NULL, NULL, "out of host memory in sink_attention backward");
+        goto done;
+    }
+    int32_t doc = 0;
+    for (int32_t i = 0; i < p->Tq; ++i) {
+        int32_t j0, j1;
+        key_range(p, i, &doc, &j0, &j1);
+        for (int32_t h = 0; h < p->Hq; ++h) ds[h] += bwd_row(b, i, h, j0, j1, z, work, dk_acc, dv_acc);
+    }
+    for (int32_t j = 0; j < p->Tk; ++j)
+        for (int32_t g = 0; g < Hkv; ++g)
+            for (int32_t d = 0; d < D; ++d) {
+                const size_t a = ((size_t)j * Hkv + g) * D + d;
+                store(b->dk, p->dtype, (int64_t)j * b->dk_st + (int64_t)g * b->dk_sh + d, dk_acc[a]);
+                store(b->dv, p->dtype, (int64_t)j * b->dv_st + (int64_t)g * b->dv_sh + d, dv_acc[a]);
+            }
+    if (b->dsink != NULL)
+        for (int32_t h = 0; h < p->Hq; ++h) store(b->dsink, p->sink_dt, h, ds[h]);
+done:
+    free(z);
+    free(work);
+    free(dk_acc);
+    free(dv_acc);
+    free(ds);
+    return st;
+}

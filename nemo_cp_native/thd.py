@@ -1,0 +1,62 @@
+"""``thd_partition_indices``: Transformer Engine's DualChunkSwap partition, native."""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+
+from ._ops import _C, dl, stream_of
+
+__all__ = ["thd_partition_indices"]
+
+
+def _as_int(value, name: str) -> int:
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
+
+
+def thd_partition_indices(
+    cu_seqlens: torch.Tensor, total_tokens: int, cp_size: int, cp_rank: int, *, validate: bool = True
+) -> torch.Tensor:
+    """Global token indices owned by ``cp_rank`` under DualChunkSwap, bit-identical to
+    ``transformer_engine_torch.thd_get_partitioned_indices``.
+
+    Args:
+        cu_seqlens: int32 ``[documents + 1]`` boundaries of the packed stream, on the CPU or a GPU.
+        total_tokens: stream length; positive and divisible by ``2 * cp_size``.
+        cp_size: context-parallel world size (> 0).
+        cp_rank: this rank, in ``[0, cp_size)``.
+        validate: check on the host that ``cu_seqlens`` starts at >= 0, never decreases and that
+            every document length is divisible by ``2 * cp_size`` (TE would silently
+            mis-partition). For a CUDA ``cu_seqlens`` this costs one device-to-host copy; pass
+            False for TE's exact behaviour on any input and no sync.
+
+    Returns:
+        int32 ``[total_tokens / cp_size]`` on the device of ``cu_seqlens`` (TE allocates on the
+        current CUDA device instead; we do not copy that trap). Slots past ``cu_seqlens[-1]``
+        follow TE exactly (they continue the last document's tail chunk).
+    """
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype != torch.int32 or cu_seqlens.ndim != 1:
+        raise ValueError(
+            f"cu_seqlens must be a 1-D int32 tensor; got {cu_seqlens.ndim}-D {cu_seqlens.dtype}"
+        )
+    total_tokens = _as_int(total_tokens, "total_tokens")
+    cp_size = _as_int(cp_size, "cp_size")
+    cp_rank = _as_int(cp_rank, "cp_rank")
+    if cp_size <= 0:
+        raise ValueError(f"cp_size must be > 0; got {cp_size}")
+    if total_tokens <= 0 or total_tokens % (2 * cp_size):
+        raise ValueError(
+            f"total_tokens must be positive and divisible by 2 * cp_size ({2 * cp_size}); got {total_tokens}"
+        )
+    cu = cu_seqlens.contiguous()
+    if validate:
+        _C.thd_partition_validate(dl(cu if cu.device.type == "cpu" else cu.cpu()), cp_size)
+    out = torch.empty(total_tokens // cp_size, dtype=torch.int32, device=cu.device)
+    _C.thd_partition(dl(cu), dl(out), total_tokens, cp_size, cp_rank, stream_of(cu.device))
+    return out

@@ -1,0 +1,165 @@
+"""Build of nemo_cp_native._C: C sources always, CUDA objects when nvcc is found.
+
+No torch headers and no torch.utils.cpp_extension: the extension talks to tensors through the
+DLPack C ABI, so one build works with every torch version.
+
+Knobs (environment):
+    NCP_CUDA_ARCHS     semicolon list of targets, default "90a" (e.g. "80;90a"); "90a" builds
+                       -gencode=arch=compute_90a,code=sm_90a
+    NCP_FORCE_CUDA=1   fail instead of building CPU-only when nvcc is missing
+    NCP_NO_CUDA=1      build CPU-only even when nvcc is present
+    NCP_DEBUG=1        -O0 -g, asserts on, nvcc -G
+    NCP_SANITIZE=1     ASan/UBSan on the C part
+    NCP_PTXAS_VERBOSE=1  keep nvcc's register/spill report in build/ncp_ptxas/<file>.txt
+    NCP_NVCC_JOBS      parallel nvcc processes (default: CPU count)
+CUDA objects are cached under build/ncp_cuda/<hash>.o, keyed by source, headers, flags and the
+nvcc version, so an unchanged tree links without recompiling.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import glob
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+CSRC = os.path.join(ROOT, "csrc")
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "") not in ("", "0", "false", "False")
+
+
+def _find_nvcc() -> str | None:
+    if _env_flag("NCP_NO_CUDA"):
+        return None
+    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if home and os.path.exists(os.path.join(home, "bin", "nvcc")):
+            return os.path.join(home, "bin", "nvcc")
+    return shutil.which("nvcc")
+
+
+def _cuda_home(nvcc: str) -> str:
+    return os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
+
+
+def _gencode(archs: str) -> list[str]:
+    flags = []
+    for arch in [a.strip() for a in archs.split(";") if a.strip()]:
+        flags.append(f"-gencode=arch=compute_{arch},code=sm_{arch}")
+    return flags
+
+
+def _c_sources() -> list[str]:
+    srcs = []
+    for sub in ("core", "cpu", "python"):
+        srcs += sorted(glob.glob(os.path.join("csrc", sub, "*.c")))
+    return srcs
+
+
+class NcpBuildExt(build_ext):
+    """Compiles csrc/cuda/*.cu with nvcc (in parallel, cached) before linking the C extension."""
+
+    def build_extensions(self):
+        nvcc = _find_nvcc()
+        ext = self.extensions[0]
+        debug = _env_flag("NCP_DEBUG")
+        if nvcc is None:
+            if _env_flag("NCP_FORCE_CUDA"):
+                raise RuntimeError("NCP_FORCE_CUDA=1 but nvcc was not found (set CUDA_HOME or PATH)")
+            print("nemo_cp_native: nvcc not found: building CPU-only", file=sys.stderr)
+        else:
+            archs = os.environ.get("NCP_CUDA_ARCHS", "90a")
+            objects = self._compile_cuda(nvcc, archs, debug)
+            home = _cuda_home(nvcc)
+            libdirs = [d for d in (os.path.join(home, "lib64"), os.path.join(home, "targets", "x86_64-linux", "lib"),
+                                   os.path.join(home, "lib")) if os.path.isdir(d)]
+            ext.extra_objects += objects
+            ext.library_dirs += libdirs
+            ext.libraries += ["cudart_static", "stdc++", "dl", "pthread", "rt"]
+            ext.define_macros += [("NCP_WITH_CUDA", "1"), ("NCP_CUDA_ARCHS_STR", f'"{archs}"')]
+            print(f"nemo_cp_native: CUDA build for {archs} with {nvcc}", file=sys.stderr)
+        if debug:
+            ext.extra_compile_args += ["-O0", "-g", "-UNDEBUG", "-DNCP_DEBUG=1"]
+        if _env_flag("NCP_SANITIZE"):
+            ext.extra_compile_args += ["-fsanitize=address,undefined", "-fno-omit-frame-pointer"]
+            ext.extra_link_args += ["-fsanitize=address,undefined"]
+        super().build_extensions()
+
+    def _compile_cuda(self, nvcc: str, archs: str, debug: bool) -> list[str]:
+        sources = sorted(glob.glob(os.path.join(CSRC, "cuda", "*.cu")))
+        headers = sorted(glob.glob(os.path.join(CSRC, "**", "*.h"), recursive=True)
+                         + glob.glob(os.path.join(CSRC, "**", "*.cuh"), recursive=True))
+        flags = ["-std=c++17", "-Xcompiler", "-fPIC", "-lineinfo", "--expt-relaxed-constexpr",
+                 f"-I{os.path.join(CSRC, 'include')}", f"-I{os.path.join(CSRC, 'core')}"]
+        flags += ["-O0", "-G", "-DNCP_DEBUG=1"] if debug else ["-O3", "-DNDEBUG"]
+        flags += _gencode(archs)
+        verbose = _env_flag("NCP_PTXAS_VERBOSE")
+        if verbose:
+            flags += ["-Xptxas", "-v"]
+        version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
+        hdr = hashlib.sha256()
+        for h in headers:
+            with open(h, "rb") as f:
+                hdr.update(f.read())
+        outdir = os.path.join(ROOT, "build", "ncp_cuda")
+        os.makedirs(outdir, exist_ok=True)
+        jobs = []
+        for src in sources:
+            key = hashlib.sha256()
+            with open(src, "rb") as f:
+                key.update(f.read())
+            key.update(hdr.digest())
+            key.update(" ".join(flags).encode())
+            key.update(version.encode())
+            obj = os.path.join(outdir, f"{os.path.basename(src)[:-3]}-{key.hexdigest()[:16]}.o")
+            jobs.append((src, obj))
+        todo = [(s, o) for s, o in jobs if not os.path.exists(o)]
+        n_jobs = int(os.environ.get("NCP_NVCC_JOBS", os.cpu_count() or 1))
+
+        def compile_one(job):
+            src, obj = job
+            cmd = [nvcc, "-c", src, "-o", obj + ".tmp"] + flags
+            res = subprocess.run(cmd, capture_output=True, text=True)
+            if res.returncode != 0:
+                raise RuntimeError(f"nvcc failed on {src}:\n{' '.join(cmd)}\n{res.stdout}\n{res.stderr}")
+            if verbose:
+                rep = os.path.join(ROOT, "build", "ncp_ptxas")
+                os.makedirs(rep, exist_ok=True)
+                with open(os.path.join(rep, os.path.basename(src) + ".txt"), "w") as f:
+                    f.write(res.stderr)
+            os.replace(obj + ".tmp", obj)
+            return src
+
+        if todo:
+            print(f"nemo_cp_native: nvcc {len(todo)} of {len(jobs)} CUDA files ({n_jobs} jobs)", file=sys.stderr)
+            with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, n_jobs)) as pool:
+                for src in pool.map(compile_one, todo):
+                    print(f"  compiled {os.path.relpath(src, ROOT)}", file=sys.stderr)
+        return [o for _, o in jobs]
+
+
+ext = Extension(
+    "nemo_cp_native._C",
+    sources=_c_sources(),
+    include_dirs=[os.path.join("csrc", "include"), os.path.join("csrc", "core"), os.path.join("csrc", "python")],
+    extra_compile_args=["-std=c11", "-O3", "-Wall", "-Wextra", "-Wno-unused-parameter", "-fvisibility=hidden"],
+    extra_link_args=[],
+    define_macros=[],
+    libraries=[],
+    library_dirs=[],
+    extra_objects=[],
+)
+
+if sysconfig.get_config_var("CC") is None:  # pragma: no cover - exotic interpreters
+    raise RuntimeError("a C compiler is required to build nemo_cp_native")
+
+setup(ext_modules=[ext], cmdclass={"build_ext": NcpBuildExt})
