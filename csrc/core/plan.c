@@ -121,7 +121,8 @@ static int push_tiles(i32vec *v, int64_t lo, int64_t hi, int32_t bn, int64_t *pr
 }
 
 /* CSR schedule over q tiles of bm rows: the kv tiles (bn slots) holding a visible pair, in
- * ascending order, entry = tile * 2 + full. Rows' ranges [kv_lo, kv_hi) are non-decreasing. */
+ * ascending order, entry = tile * 2 + full. Rows' ranges [kv_lo, kv_hi) are non-decreasing. A tile
+ * is full only when it has bm real rows that all see every one of its bn keys. */
 static ncp_status build_schedule(const int32_t *kv_lo, const int32_t *kv_hi, const int32_t *is_real, int32_t L,
                                  int32_t Lkv, int32_t bm, int32_t bn, ncp_i32_array *off, ncp_i32_array *ent) {
     const int32_t n_tiles = (L + bm - 1) / bm;
@@ -148,7 +149,7 @@ static ncp_status build_schedule(const int32_t *kv_lo, const int32_t *kv_hi, con
             have = 1;
         }
         if (have && !push_tiles(&v, lo, hi, bn, &prev_tile)) goto oom;
-        if (!(all_real && first == r0 && last == r1 - 1)) continue;
+        if (!(all_real && r1 - r0 == bm && first == r0 && last == r1 - 1)) continue;
         for (int64_t e = off->data[t]; e < v.n; ++e) { /* every row sees every key of the tile */
             const int64_t k0 = (int64_t)(v.data[e] >> 1) * bn, k1 = k0 + bn;
             if (k1 <= Lkv && kv_lo[last] <= k0 && kv_hi[first] >= k1) v.data[e] |= 1;

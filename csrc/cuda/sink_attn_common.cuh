@@ -1,0 +1,207 @@
+/*
+ * sink_attn_common.cuh: building blocks of the sink-attention kernels (portable tensor-core path,
+ * sm_80+): mma.sync m16n8k16 with fp32 accumulation, ldmatrix from XOR-swizzled shared tiles,
+ * cp.async global->shared copies with zero fill, exp2 and the mask / tile-range helpers shared by
+ * the forward and backward kernels.
+ *
+ * Fragment conventions (PTX ISA, mma.m16n8k16, g = lane / 4, t = lane % 4):
+ *   A (16x16, row):  a0 (g, 2t..2t+1)  a1 (g+8, 2t..)  a2 (g, 8+2t..)  a3 (g+8, 8+2t..)
+ *   B (16x8, col):   b0 (k = 2t..2t+1, n = g)  b1 (k = 8+2t.., n = g)
+ *   C (16x8):        c0,c1 (g, 2t..2t+1)  c2,c3 (g+8, 2t..2t+1)
+ * so a C tile pair converts to an A fragment in registers (P for P @ V without shared memory).
+ *
+ * Shared tiles hold rows of D 16-bit elements as D/8 chunks of 16 bytes; chunk c of row r lives at
+ * chunk (c ^ (r & 7)), which makes every ldmatrix phase and every cp.async row conflict-free.
+ */
+#ifndef NCP_SINK_ATTN_COMMON_CUH
+#define NCP_SINK_ATTN_COMMON_CUH
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "ncp/ncp.h"
+
+namespace ncp {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+constexpr int kNoKey = 0x7fffffff; /* q_lo of a row that sees nothing, k_pos of a missing key */
+
+/* ---- element types ---------------------------------------------------------------------- */
+template <typename T> struct elem;
+template <> struct elem<__nv_bfloat16> {
+    static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
+        __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+        return *reinterpret_cast<uint32_t *>(&v);
+    }
+    static __device__ __forceinline__ float2 unpack(uint32_t u) {
+        __nv_bfloat162 v = *reinterpret_cast<__nv_bfloat162 *>(&u);
+        return __bfloat1622float2(v);
+    }
+};
+template <> struct elem<__half> {
+    static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
+        __half2 v = __floats2half2_rn(lo, hi);
+        return *reinterpret_cast<uint32_t *>(&v);
+    }
+    static __device__ __forceinline__ float2 unpack(uint32_t u) {
+        __half2 v = *reinterpret_cast<__half2 *>(&u);
+        return __half22float2(v);
+    }
+};
+
+template <typename T> __device__ __forceinline__ void mma16816(float *c, const uint32_t *a, const uint32_t *b);
+template <> __device__ __forceinline__ void mma16816<__nv_bfloat16>(float *c, const uint32_t *a, const uint32_t *b) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+template <> __device__ __forceinline__ void mma16816<__half>(float *c, const uint32_t *a, const uint32_t *b) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+/* ---- shared memory ---------------------------------------------------------------------- */
+__device__ __forceinline__ uint32_t smem_u32(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
+
+/* Byte offset of 16-byte chunk `chunk` of row `row` in a swizzled tile of D-element rows. */
+template <int D> __device__ __forceinline__ uint32_t swz(int row, int chunk) {
+    return (uint32_t)(row * (D * 2) + ((chunk ^ (row & 7)) << 4));
+}
+
+__device__ __forceinline__ void ldsm_x4(uint32_t *r, uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_t(uint32_t *r, uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
+/* A fragment (16 rows x 16 k) of a [row][k] tile at (row0, k chunk kc0). */
+template <int D> __device__ __forceinline__ void load_a(uint32_t *a, uint32_t base, int row0, int kc0, int lane) {
+    ldsm_x4(a, base + swz<D>(row0 + (lane & 15), kc0 + (lane >> 4)));
+}
+/* B fragments of two n-tiles (n0, n0+8) x 16 k from an [n][k] tile: b[0..1] tile 0, b[2..3] tile 1. */
+template <int D> __device__ __forceinline__ void load_b_nk(uint32_t *b, uint32_t base, int n0, int kc0, int lane) {
+    ldsm_x4(b, base + swz<D>(n0 + (lane & 7) + ((lane >> 4) << 3), kc0 + ((lane >> 3) & 1)));
+}
+/* B fragments of two n-tiles (n chunks nc0, nc0+1) x 16 k from a [k][n] tile (transposing load). */
+template <int D> __device__ __forceinline__ void load_b_kn(uint32_t *b, uint32_t base, int k0, int nc0, int lane) {
+    ldsm_x4_t(b, base + swz<D>(k0 + (lane & 7) + (((lane >> 3) & 1) << 3), nc0 + (lane >> 4)));
+}
+
+/* ---- cp.async --------------------------------------------------------------------------- */
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void *src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+/* Copies rows [r0, r0 + ROWS) of a (n_rows, ., D) tensor (row stride `st` elements, base already
+ * at the head) into a swizzled tile; rows past n_rows are zero-filled. */
+template <int D, int ROWS, int THREADS, typename T>
+__device__ __forceinline__ void load_tile(uint32_t tile, const T *base, int64_t st, int r0, int n_rows, int tid) {
+    constexpr int kChunks = D / 8, kTotal = ROWS * kChunks;
+#pragma unroll
+    for (int i = tid; i < kTotal; i += THREADS) {
+        const int row = i / kChunks, chunk = i % kChunks, g = r0 + row;
+        const bool ok = g < n_rows;
+        const T *src = base + (int64_t)(ok ? g : 0) * st + chunk * 8;
+        cp_async16(tile + swz<D>(row, chunk), src, ok);
+    }
+}
+
+/* ---- math -------------------------------------------------------------------------------- */
+__device__ __forceinline__ float ex2(float x) {
+    float y;
+    asm volatile("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
+__device__ __forceinline__ float quad_max(float v) {
+    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
+    return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
+}
+__device__ __forceinline__ float quad_sum(float v) {
+    v += __shfl_xor_sync(0xffffffffu, v, 1);
+    return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
+
+/* ---- masks ------------------------------------------------------------------------------- */
+/* Start of the document holding token i: the largest cu[d] <= i (cu non-decreasing, cu[0] = 0). */
+__device__ __forceinline__ int doc_start(const int32_t *cu, int n_cu, int i) {
+    int lo = 0, hi = n_cu - 1; /* answer in [0, n_cu - 1) */
+    while (hi - lo > 1) {
+        const int mid = (lo + hi) >> 1;
+        if (__ldg(cu + mid) <= i) lo = mid;
+        else hi = mid;
+    }
+    int s = __ldg(cu + lo);
+    return s < 0 ? 0 : (s > i ? i : s); /* clamped: a malformed cu_seqlens cannot index outside */
+}
+/* End (exclusive) of the document holding token i, clamped to [i + 1, n]. */
+__device__ __forceinline__ int doc_end(const int32_t *cu, int n_cu, int i, int n) {
+    int lo = 0, hi = n_cu - 1;
+    while (hi - lo > 1) {
+        const int mid = (lo + hi) >> 1;
+        if (__ldg(cu + mid) <= i) lo = mid;
+        else hi = mid;
+    }
+    int e = __ldg(cu + lo + 1);
+    return e > n ? n : (e <= i ? i + 1 : e);
+}
+/* First visible key of query i in contiguous mode. */
+__device__ __forceinline__ int first_key(const int32_t *cu, int n_cu, int window, int i) {
+    int lo = doc_start(cu, n_cu, i);
+    if (window > 0 && i - window + 1 > lo) lo = i - window + 1;
+    return lo;
+}
+
+/* Query bounds (q_pos, q_lo) of row i in either mode; rows past Tq see nothing. */
+__device__ __forceinline__ void row_bounds(const ncp_sink_attn_params &p, int i, int &qpos, int &qlo) {
+    if (i >= p.Tq) {
+        qpos = -1;
+        qlo = kNoKey;
+    } else if (p.q_pos == nullptr) {
+        qpos = i;
+        qlo = first_key(p.cu_seqlens, p.n_cu, p.window, i);
+    } else {
+        qpos = __ldg(p.q_pos + i);
+        qlo = __ldg(p.q_lo + i);
+    }
+}
+
+/* Contiguous-mode tile range of the q rows [q0, q0 + bm): kv tiles [kt_lo, kt_hi] of bn keys, and
+ * the bounds that decide whether a tile is fully visible. */
+struct q_tile_range {
+    int kt_lo, kt_hi; /* inclusive; kt_hi < kt_lo: no work */
+    int q_first, lo_last, rows_complete;
+};
+__device__ __forceinline__ q_tile_range contiguous_q_range(const ncp_sink_attn_params &p, int q0, int bm, int bn) {
+    q_tile_range r;
+    const int q_last = min(q0 + bm, p.Tq) - 1;
+    r.q_first = q0;
+    r.rows_complete = q0 + bm <= p.Tq;
+    const int lo_first = first_key(p.cu_seqlens, p.n_cu, p.window, q0);
+    r.lo_last = first_key(p.cu_seqlens, p.n_cu, p.window, q_last);
+    r.kt_lo = lo_first / bn;
+    r.kt_hi = min(q_last, p.Tk - 1) / bn;
+    return r;
+}
+/* Every (q, k) of kv tile kt visible to every row of the q tile? */
+__device__ __forceinline__ bool contiguous_full(const ncp_sink_attn_params &p, const q_tile_range &r, int kt, int bn) {
+    const int k0 = kt * bn, k1 = k0 + bn;
+    return r.rows_complete && k1 <= p.Tk && k1 - 1 <= r.q_first && k0 >= r.lo_last;
+}
+
+}  // namespace ncp
+
+#endif /* NCP_SINK_ATTN_COMMON_CUH */
