@@ -3,8 +3,22 @@ NeMo Automodel. Call ``nemo_cp_native.patch()`` to swap the Python modules it re
 
 from ._ops import build_info, has_cuda
 from .thd import thd_partition_indices
-from . import mimo, reference
+from .attention import sink_attention
+from . import flint, mimo, reference
+from .patch import patch, patched, unpatch
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "build_info", "has_cuda", "mimo", "reference", "thd_partition_indices"]
+__all__ = [
+    "__version__",
+    "build_info",
+    "flint",
+    "has_cuda",
+    "mimo",
+    "patch",
+    "patched",
+    "reference",
+    "sink_attention",
+    "thd_partition_indices",
+    "unpatch",
+]

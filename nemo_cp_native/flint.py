@@ -1,0 +1,497 @@
+"""Native drop-in for ``nemo_automodel.components.models.flint.magi`` (learned-sink Magi CP).
+
+One token partition per packed microbatch (MagiAttention's default dispatch, computed in C,
+``csrc/core/magi_dispatch.c``), shared by the full-causal key (window 0) and the sliding-window
+key (window W, counting the current token). Each key carries the exact K/V exchange of its
+window (``csrc/core/plan.c``): every rank receives precisely the remote tokens its queries can
+see, once; attention then runs the sink-attention kernels on the local queries against the
+local + received keys sorted by global position, masked by global position, visiting only the
+tiles the plan lists. Backward returns dK/dV of received keys to their owners through the
+reverse all-to-all and sums them there (fp32, fixed order). dsink stays partial per rank: the
+sum over this rank's queries, left to FSDP's reduction over dp x cp, as in Magi and Automodel.
+
+Plans need no collective: every rank computes the same deterministic plan, so a bad input makes
+every rank raise the same error before any communication.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, Optional, Protocol, Union
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from . import _compat
+from ._ops import _C, dl
+from .attention import AttnMask, attn_backward, attn_forward
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "FlintMagiBatch",
+    "FlintMagiBatchPlans",
+    "FlintMagiBatchValue",
+    "FlintMagiPlan",
+    "MagiAttentionKey",
+    "_build_magi_plan",
+    "_prepare_magi_inputs",
+    "simulate_cp_attention",
+]
+
+DEFAULT_CHUNK_SIZE = 512
+_MASK_FIELDS = ("q_lo", "fwd_off", "fwd_ent", "dq_off", "dq_ent", "dkv_off", "dkv_ent")
+
+
+def _i32(buf) -> Tensor:
+    return torch.frombuffer(buf, dtype=torch.int32).clone() if len(buf) else torch.empty(0, dtype=torch.int32)
+
+
+@dataclass(frozen=True, eq=False)
+class MagiAttentionKey:
+    """One mask over a plan's shared partition (what Magi's ``DistAttnRuntimeKey`` is to Flint).
+
+    ``total_seqlen_q`` is the padded stream length, a multiple of ``chunk_size * cp_size``;
+    ``local_token_global_indices`` (int64) are this rank's global positions in local order (pad
+    positions ``>= total_seqlen`` included). The rest is the exchange of this window:
+    ``send_idx`` (local rows sent, grouped by destination rank), ``send_counts``/``recv_counts``
+    (all-to-all split sizes), ``kv_src`` (order of the sorted K/V buffer), ``local_slot`` /
+    ``recv_slot`` (where local and received rows sit in it) and the attention mask.
+    """
+
+    window: int
+    total_seqlen: int
+    total_seqlen_q: int
+    chunk_size: int
+    cp_size: int
+    cp_rank: int
+    num_heads_q: int
+    num_heads_kv: int
+    head_dim: int
+    visible_pairs: int
+    local_token_global_indices: Tensor
+    send_counts: tuple
+    recv_counts: tuple
+    send_idx: Tensor
+    recv_pos: Tensor
+    kv_src: Tensor
+    local_slot: Tensor
+    recv_slot: Tensor
+    kv_pos: Tensor
+    q_pos: Tensor
+    mask_host: dict
+    group: Any = field(default=None, repr=False)
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def total_seqlen_k(self) -> int:
+        return self.total_seqlen_q
+
+    @property
+    def pad_size(self) -> int:
+        return self.total_seqlen_q - self.total_seqlen
+
+    @property
+    def num_local_tokens(self) -> int:
+        return self.total_seqlen_q // self.cp_size
+
+    def device_tables(self, device: torch.device) -> dict:
+        """Index tables and mask on ``device`` (copied once per device, then cached)."""
+        key = str(device)
+        if key not in self._cache:
+            to = (lambda t: t.to(device, non_blocking=True)) if device.type == "cuda" else (lambda t: t)
+            mask = AttnMask(q_pos=to(self.q_pos), k_pos=to(self.kv_pos), **{k: to(v) for k, v in self.mask_host.items()})
+            self._cache[key] = {
+                "mask": mask,
+                "send_idx": to(self.send_idx.long()),
+                "kv_src": to(self.kv_src.long()),
+                "local_slot": to(self.local_slot.long()),
+                "recv_slot": to(self.recv_slot.long()),
+            }
+        return self._cache[key]
+
+
+# ------------------------------------------------------------------------------------------
+# exchange and the local compute, shared by the distributed path and the one-GPU simulation
+# ------------------------------------------------------------------------------------------
+
+
+def _pack_send(mkey: MagiAttentionKey, kv: Tensor) -> Tensor:
+    """Rows this rank sends, grouped by destination ([sum(send_counts), Hkv, 2D])."""
+    return kv.index_select(0, mkey.device_tables(kv.device)["send_idx"])
+
+
+def _assemble(mkey: MagiAttentionKey, kv_local: Tensor, kv_recv: Tensor) -> Tensor:
+    """The K/V buffer sorted by global position: local rows and received rows interleaved."""
+    return torch.cat([kv_local, kv_recv]).index_select(0, mkey.device_tables(kv_local.device)["kv_src"])
+
+
+def _split_grads(mkey: MagiAttentionKey, dkv_buf: Tensor) -> tuple[Tensor, Tensor]:
+    """(gradients of local rows, gradients of received rows grouped by their owner)."""
+    t = mkey.device_tables(dkv_buf.device)
+    return dkv_buf.index_select(0, t["local_slot"]), dkv_buf.index_select(0, t["recv_slot"])
+
+
+def _sum_returned(mkey: MagiAttentionKey, d_local: Tensor, d_back: Tensor) -> Tensor:
+    """Adds the gradients other ranks computed for our rows, in rank order, in fp32."""
+    acc = d_local.float()
+    idx = mkey.device_tables(d_local.device)["send_idx"]
+    start = 0
+    for n in mkey.send_counts:  # unique rows within one source: deterministic index_add
+        if n:
+            acc.index_add_(0, idx[start : start + n], d_back[start : start + n].float())
+        start += n
+    return acc.to(d_local.dtype)
+
+
+def _all_to_all(group, send: Tensor, send_counts, recv_counts) -> Tensor:
+    recv = send.new_empty((sum(recv_counts),) + tuple(send.shape[1:]))
+    dist.all_to_all_single(recv, send.contiguous(), list(recv_counts), list(send_counts), group=group)
+    return recv
+
+
+class _FlintCPAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, sink, mkey: MagiAttentionKey, scale: float):
+        D = k.shape[-1]
+        kv = torch.cat([k, v], dim=-1)
+        recv = _all_to_all(mkey.group, _pack_send(mkey, kv), mkey.send_counts, mkey.recv_counts)
+        buf = _assemble(mkey, kv, recv)
+        kbuf, vbuf = buf[..., :D].contiguous(), buf[..., D:].contiguous()
+        mask = mkey.device_tables(q.device)["mask"]
+        out, lse = attn_forward(q, kbuf, vbuf, sink, mask, scale)
+        ctx.save_for_backward(q, kbuf, vbuf, out, lse, sink)
+        ctx.mkey, ctx.scale = mkey, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, kbuf, vbuf, out, lse, sink = ctx.saved_tensors
+        mkey = ctx.mkey
+        mask = mkey.device_tables(q.device)["mask"]
+        dq, dk, dv, dsink = attn_backward(dout, q, kbuf, vbuf, sink, out, lse, mask, ctx.scale)
+        d_local, d_remote = _split_grads(mkey, torch.cat([dk, dv], dim=-1))
+        d_back = _all_to_all(mkey.group, d_remote, mkey.recv_counts, mkey.send_counts)
+        d_local = _sum_returned(mkey, d_local, d_back)
+        D = dk.shape[-1]
+        return dq, d_local[..., :D], d_local[..., D:], dsink, None, None
+
+
+# ------------------------------------------------------------------------------------------
+# plans
+# ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FlintMagiPlan:
+    """Per-microbatch keys; all masks retain the same dispatched token order."""
+
+    keys: dict
+
+    def _key(self, window) -> MagiAttentionKey:
+        if isinstance(window, bool) or not isinstance(window, int) or window not in self.keys:
+            raise ValueError(f"window={window!r} has no key in this FlintMagiPlan; it holds windows {sorted(self.keys)}")
+        return self.keys[window]
+
+    def attention(self, query: Tensor, key: Tensor, value: Tensor, sink: Tensor, window: int, scale: float) -> Tensor:
+        """Local THD attention output [tokens, query_heads, head_dim] with the plan's K/V exchange."""
+        mkey = self._key(window)
+        _check_local(mkey, query, key, value, sink)
+        if mkey.cp_size > 1 and not isinstance(mkey.group, dist.ProcessGroup):
+            raise ValueError("this plan was built for simulated ranks; run it with simulate_cp_attention")
+        q, k, v = (t.contiguous() for t in (query, key, value))
+        if mkey.cp_size == 1:
+            mask = mkey.device_tables(q.device)["mask"]
+            return _FlintLocalAttention.apply(q, k, v, sink, mask, float(scale))
+        return _FlintCPAttention.apply(q, k, v, sink, mkey, float(scale))
+
+
+class _FlintLocalAttention(torch.autograd.Function):
+    """cp_size == 1: no exchange, the same positions-mode kernels."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sink, mask, scale):
+        out, lse = attn_forward(q, k, v, sink, mask, scale)
+        ctx.save_for_backward(q, k, v, out, lse, sink)
+        ctx.mask, ctx.scale = mask, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, sink = ctx.saved_tensors
+        dq, dk, dv, dsink = attn_backward(dout, q, k, v, sink, out, lse, ctx.mask, ctx.scale)
+        return dq, dk, dv, dsink, None, None
+
+
+def _check_local(mkey: MagiAttentionKey, q: Tensor, k: Tensor, v: Tensor, sink: Tensor) -> None:
+    L = mkey.num_local_tokens
+    if not all(isinstance(t, Tensor) for t in (q, k, v, sink)):
+        raise TypeError("query, key, value and sink must be tensors")
+    if q.ndim != 3 or q.shape[0] != L or q.shape[1] != mkey.num_heads_q:
+        raise ValueError(
+            f"query must have shape ({L}, {mkey.num_heads_q}, head_dim) for this plan "
+            f"(total_seqlen_q={mkey.total_seqlen_q} over cp_size={mkey.cp_size}); got {tuple(q.shape)}"
+        )
+    want = (L, mkey.num_heads_kv, q.shape[2])
+    for name, t in (("key", k), ("value", v)):
+        if tuple(t.shape) != want:
+            raise ValueError(f"{name} must have shape {want}; got {tuple(t.shape)}")
+        if t.dtype != q.dtype or t.device != q.device:
+            raise ValueError(f"{name} must match query's dtype and device ({q.dtype}, {q.device})")
+    if sink.shape != (mkey.num_heads_q,) or sink.dtype != torch.float32 or sink.device != q.device:
+        raise ValueError(f"sink must be float32 of shape ({mkey.num_heads_q},) on {q.device}; got {sink.dtype} "
+                         f"{tuple(sink.shape)} on {sink.device}")  # fmt: skip
+    if q.device.type == "cuda" and q.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"query must be bfloat16 or float16 on CUDA; got {q.dtype}")
+
+
+@dataclass(frozen=True)
+class FlintMagiBatchPlans:
+    """Step-owned plans replicated by PP; a chunked index selects each plan."""
+
+    plans: tuple
+
+    def select(self, microbatch_index: Tensor) -> FlintMagiPlan:
+        """Select without a mutable cursor, before entering checkpointed layers."""
+        if not isinstance(microbatch_index, Tensor) or microbatch_index.dtype != torch.int64 or microbatch_index.numel() != 1:
+            raise ValueError(
+                "microbatch_index must be an int64 tensor with one element ([1]); got "
+                f"{getattr(microbatch_index, 'dtype', type(microbatch_index).__name__)} "
+                f"{tuple(getattr(microbatch_index, 'shape', ()))}"
+            )
+        i = int(microbatch_index.reshape(()).item())
+        if not 0 <= i < len(self.plans):
+            raise ValueError(f"microbatch_index {i} is out of range for {len(self.plans)} plans")
+        return self.plans[i]
+
+
+def _group_size_rank(group) -> tuple[int, int]:
+    if group is None:
+        return 1, 0
+    size, rank = group.size(), group.rank()
+    if not isinstance(size, int) or not isinstance(rank, int) or not 0 <= rank < size:
+        raise ValueError(f"group must report size() > rank() >= 0; got size={size!r}, rank={rank!r}")
+    return size, rank
+
+
+def _config_int(config, name: str, default=None) -> Optional[int]:
+    value = getattr(config, name, default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"config.{name} must be a non-negative int; got {value!r}")
+    return value
+
+
+def _build_magi_plan(cu_seqlens: Tensor, config, group) -> FlintMagiPlan:
+    """Build masks with one shared token partition for a packed microbatch."""
+    if not isinstance(cu_seqlens, Tensor) or cu_seqlens.device.type != "cpu" or cu_seqlens.dtype != torch.int32:
+        raise ValueError(
+            "cu_seqlens must be a CPU int32 tensor of padded document boundaries [documents + 1]; got "
+            f"{getattr(cu_seqlens, 'dtype', type(cu_seqlens).__name__)} on {getattr(cu_seqlens, 'device', '?')}"
+        )
+    if cu_seqlens.ndim != 1:
+        raise ValueError(f"cu_seqlens must be 1-D [documents + 1]; got shape {tuple(cu_seqlens.shape)}")
+    hq, hkv, d = (_config_int(config, n) for n in ("num_attention_heads", "num_key_value_heads", "head_dim"))
+    if not hq or not hkv or not d or hq % hkv:
+        raise ValueError(f"config needs num_attention_heads ({hq}) a positive multiple of num_key_value_heads ({hkv}) "
+                         f"and head_dim ({d}) > 0")  # fmt: skip
+    window = _config_int(config, "sliding_window", 0) or 0
+    chunk = _config_int(config, "magi_chunk_size", DEFAULT_CHUNK_SIZE) or DEFAULT_CHUNK_SIZE
+    min_chunks = int(os.environ.get("MAGI_ATTENTION_MIN_CHUNKS_PER_RANK", "8"))
+    cp, rank = _group_size_rank(group)
+    windows = (0, window) if window > 0 else (0,)
+    raw = _C.plan_build(dl(cu_seqlens.contiguous()), cp, rank, chunk, min_chunks, windows)
+    local = _i32(raw["local_pos"])
+    keys = {}
+    for w in raw["windows"]:
+        mask_host = {name: _i32(w[name]) for name in _MASK_FIELDS}
+        keys[w["window"]] = MagiAttentionKey(
+            window=w["window"], total_seqlen=raw["total"], total_seqlen_q=raw["total_padded"],
+            chunk_size=raw["chunk_size"], cp_size=cp, cp_rank=rank, num_heads_q=hq, num_heads_kv=hkv, head_dim=d,
+            visible_pairs=w["visible_pairs"], local_token_global_indices=local.long(),
+            send_counts=tuple(_i32(w["send_counts"]).tolist()), recv_counts=tuple(_i32(w["recv_counts"]).tolist()),
+            send_idx=_i32(w["send_idx"]), recv_pos=_i32(w["recv_pos"]), kv_src=_i32(w["kv_src"]),
+            local_slot=_i32(w["local_slot"]), recv_slot=_i32(w["recv_slot"]), kv_pos=_i32(w["kv_pos"]),
+            q_pos=local, mask_host=mask_host, group=group,
+        )  # fmt: skip
+    return FlintMagiPlan(keys=keys)
+
+
+# ------------------------------------------------------------------------------------------
+# rank simulation on one device (same plan tables, same kernels, in-process exchange)
+# ------------------------------------------------------------------------------------------
+
+
+def simulate_cp_attention(plans, queries, keys, values, sink, window, scale, douts=None):
+    """Runs every rank of a CP group in this process, exchange included (no collectives).
+
+    ``plans[r]`` is rank r's plan (built with a group reporting size cp and rank r); the
+    per-rank tensors are local (dispatched) rows. Returns ``(outs, grads)`` where ``grads`` is
+    None without ``douts``, else per rank ``(dq, dk, dv, partial dsink)``.
+    """
+    cp = len(plans)
+    mk = [p._key(window) for p in plans]
+    for r in range(cp):
+        _check_local(mk[r], queries[r], keys[r], values[r], sink)
+    D = keys[0].shape[-1]
+    kv = [torch.cat([k, v], dim=-1) for k, v in zip(keys, values)]
+    sends = [_pack_send(mk[r], kv[r]) for r in range(cp)]
+
+    def route(parts_by_src, counts_of):  # parts_by_src[s] grouped by destination
+        out = []
+        for dst in range(cp):
+            pieces = []
+            for src in range(cp):
+                offs = [0]
+                for n in counts_of(src):
+                    offs.append(offs[-1] + n)
+                pieces.append(parts_by_src[src][offs[dst] : offs[dst + 1]])
+            out.append(torch.cat(pieces))
+        return out
+
+    recvs = route(sends, lambda s: mk[s].send_counts)
+    outs, saved = [], []
+    for r in range(cp):
+        buf = _assemble(mk[r], kv[r], recvs[r])
+        kb, vb = buf[..., :D].contiguous(), buf[..., D:].contiguous()
+        mask = mk[r].device_tables(kb.device)["mask"]
+        out, lse = attn_forward(queries[r].contiguous(), kb, vb, sink, mask, float(scale))
+        outs.append(out)
+        saved.append((kb, vb, out, lse, mask))
+    if douts is None:
+        return outs, None
+    dq, d_local, d_remote, dsink = [], [], [], []
+    for r in range(cp):
+        kb, vb, out, lse, mask = saved[r]
+        g = attn_backward(douts[r].contiguous(), queries[r].contiguous(), kb, vb, sink, out, lse, mask, float(scale))
+        dq.append(g[0])
+        dsink.append(g[3])
+        loc, rem = _split_grads(mk[r], torch.cat([g[1], g[2]], dim=-1))
+        d_local.append(loc)
+        d_remote.append(rem)
+    backs = route(d_remote, lambda s: mk[s].recv_counts)
+    grads = []
+    for r in range(cp):
+        summed = _sum_returned(mk[r], d_local[r], backs[r])
+        grads.append((dq[r], summed[..., :D], summed[..., D:], dsink[r]))
+    return outs, grads
+
+
+class SimulatedGroup:
+    """A stand-in process group (size, rank) for building plans of simulated ranks."""
+
+    def __init__(self, size: int, rank: int) -> None:
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
+
+
+# ------------------------------------------------------------------------------------------
+# model-owned sharder
+# ------------------------------------------------------------------------------------------
+
+FlintMagiBatchValue = Union[Tensor, str, int, float, bool, FlintMagiPlan, FlintMagiBatchPlans, Any]
+FlintMagiBatch = dict  # dict[str, FlintMagiBatchValue]
+
+PLANS_KEY = "flint_magi_plans"
+INDEX_KEY = "flint_magi_microbatch_index"
+_FILL = {"labels": -100, "position_ids": 0, "loss_mask": 0, "padding_mask": True}
+
+
+class _FlintMagiModel(Protocol):
+    """Flint model state needed to build model-owned Magi CP inputs."""
+
+    config: Any
+    cp_mesh: Any
+
+    def _is_pipeline_parallel_stage(self) -> bool: ...
+
+
+def _doc_boundaries(batch: dict, num_chunks: int, S: int) -> list[Tensor]:
+    """CPU int32 padded boundaries of every pack (one device-to-host copy for all rows)."""
+    lens = batch.get("seq_lens_padded", batch.get("seq_lens"))
+    if not isinstance(lens, Tensor) or lens.ndim != 2 or lens.shape[0] != num_chunks:
+        raise ValueError(f"Flint Magi CP needs seq_lens_padded (or seq_lens) [batch={num_chunks}, documents]; "
+                         f"got {getattr(lens, 'shape', lens)}")  # fmt: skip
+    host = lens.to("cpu", torch.int64)
+    cus = []
+    for c in range(num_chunks):
+        row = host[c]
+        row = row[row > 0]
+        cu = torch.zeros(row.numel() + 1, dtype=torch.int64)
+        cu[1:] = torch.cumsum(row, 0)
+        if int(cu[-1]) != S:
+            raise ValueError(f"Flint Magi CP: the document lengths of pack {c} sum to {int(cu[-1])}, not to the pack "
+                             f"length {S}")  # fmt: skip
+        cus.append(cu.to(torch.int32))
+    return cus
+
+
+def _gather_rows(t: Tensor, idx: Tensor, S: int, fill) -> Tensor:
+    """t [C, S] -> [C, L] at idx [C, L]; positions >= S (Magi tail pad) get `fill`."""
+    safe = idx.clamp(max=S - 1)
+    got = torch.gather(t, 1, safe)
+    return torch.where(idx < S, got, torch.as_tensor(fill, dtype=t.dtype, device=t.device))
+
+
+def _shard_flint_batch(cp_mesh, tp_mesh, batch, *, model, num_chunks, loss_mask=None, padding_token_id=0):
+    del tp_mesh
+    input_ids = batch.get("input_ids")
+    if not isinstance(input_ids, Tensor) or input_ids.ndim != 2:
+        raise ValueError("Flint Magi CP requires input_ids [batch, sequence]")
+    B, S = input_ids.shape
+    if not isinstance(num_chunks, int) or num_chunks < 1 or B % num_chunks:
+        raise ValueError(f"Flint Magi CP: num_chunks={num_chunks} must evenly divide batch size {B}")
+    if B != num_chunks:
+        raise ValueError(f"Flint Magi CP holds one pack per pipeline microbatch: batch has {B} rows for "
+                         f"num_chunks={num_chunks}")  # fmt: skip
+    mesh = cp_mesh if cp_mesh is not None else getattr(model, "cp_mesh", None)
+    group = mesh.get_group() if mesh is not None and mesh.size() > 1 else None
+    plans = tuple(_build_magi_plan(cu, model.config, group) for cu in _doc_boundaries(batch, num_chunks, S))
+    dev = input_ids.device
+    idx = torch.stack([p.keys[0].local_token_global_indices for p in plans]).to(dev)
+    out = {}
+    pp_stage = bool(getattr(model, "_is_pipeline_parallel_stage", lambda: False)())
+    out["input_ids"] = input_ids if pp_stage else _gather_rows(input_ids, idx, S, padding_token_id)
+    extra = {"loss_mask": loss_mask} if loss_mask is not None else {}
+    for key, fill in _FILL.items():
+        t = extra.get(key, batch.get(key))
+        if isinstance(t, Tensor) and t.ndim == 2 and tuple(t.shape) == (B, S):
+            out[key] = _gather_rows(t, idx, S, fill)
+    for key, value in batch.items():
+        if key not in out and key not in ("seq_lens", "seq_lens_padded") and not isinstance(value, Tensor):
+            out[key] = value
+    out["qkv_format"] = "thd"
+    out[PLANS_KEY] = FlintMagiBatchPlans(plans=plans)
+    out[INDEX_KEY] = torch.arange(num_chunks, dtype=torch.int64, device=dev)
+    layout = None
+    if num_chunks == 1:
+        layout = _compat.ShardLayout(
+            local_token_global_indices=idx[0], padded_seq_len=plans[0].keys[0].total_seqlen_q, input_row_shape=(B, S)
+        )
+    return contextlib.nullcontext, out, layout
+
+
+def _prepare_magi_inputs(model, batch: dict, num_chunks: int) -> dict:
+    """Prepare model-owned packed CP, including independent pipeline microbatches.
+
+    Returns ``{"cp_sharder": ContextParallelSharder}``. Its ``shard`` builds one plan per pack
+    (row), gathers labels / positions / masks into the dispatched order ``[chunks, local]`` (Magi
+    tail pads: labels -100, positions 0, padding True), keeps token ids global ``[chunks, S]`` on a
+    pipeline stage (the stage embeds and selects its own rows) and dispatches them otherwise, and
+    adds ``flint_magi_plans`` (``FlintMagiBatchPlans``) and ``flint_magi_microbatch_index``
+    (int64 ``arange(chunks)``, split by PP into ``[1]`` per microbatch).
+    """
+    del batch
+    return {"cp_sharder": _compat.ContextParallelSharder(shard_batch=partial(_shard_flint_batch, model=model,
+                                                                             num_chunks=num_chunks))}  # fmt: skip
