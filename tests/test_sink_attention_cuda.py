@@ -1,0 +1,195 @@
+"""CUDA sink attention against the float64 oracle (tolerance rule of STYLE.md), plus poisoned
+outputs with guard bands, determinism, rank-simulated CP, and the CPU C path as second oracle.
+Skipped without a GPU and a CUDA build."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import nemo_cp_native as ncp
+from nemo_cp_native import flint
+from nemo_cp_native._ops import _C, dl
+from nemo_cp_native.reference import cp_attention as rcp
+from nemo_cp_native.reference import magi as rmagi
+from nemo_cp_native.reference.sink_attention import attention_ref, sink_grad_closed_form
+from nemo_cp_native.reference.tolerance import assert_close_to_ref, assert_close_to_ref_ulp
+from nemo_cp_native.testing_attention import doc_lengths, make_attention_case
+
+pytestmark = pytest.mark.cuda
+
+DEV = "cuda"
+
+
+def check_dsink(dsink, out, lse, dout, sink, ref_dsink, lp_dsink, *, name="dsink"):
+    """dsink is a reduction over every query row, so it is checked in two parts.
+
+    1. Exactly what the kernel should have summed: the closed form over the kernel's own (rounded)
+       O and lse, in float64; only fp32 accumulation error is allowed.
+    2. Against the float64 oracle: twice the error of a low-precision run, plus the worst-case
+       effect of rounding O to its dtype on D_i = <dO_i, O_i> (|dO_i| |O_i| eps per row, weighted
+       by P_sink,i). A sum of rounding errors is a random walk, so the factor-2 rule alone would
+       flake.
+    """
+    p_sink = torch.exp(sink.double()[:, None] - lse.double())  # [Hq, T]
+    terms = p_sink * (dout.double() * out.double()).sum(-1).T
+    own = -terms.sum(1)
+    scale = (p_sink * (dout.double() * out.double()).abs().sum(-1).T).sum(1)
+    assert torch.all((dsink.double() - own).abs() <= 1e-5 * scale + 1e-6), f"{name}: not the closed form of its O/lse"
+    eps = torch.finfo(out.dtype).eps
+    bound = 2 * (lp_dsink.double() - ref_dsink).abs() + eps * scale + 1e-5
+    err = (dsink.double() - ref_dsink).abs()
+    assert torch.all(err <= bound), f"{name}: |dsink - ref| {err.tolist()} over {bound.tolist()}"
+
+
+def _grads(out, tensors, dout):
+    return torch.autograd.grad(out, tensors, dout, allow_unused=False)
+
+
+def _check_case(lengths, hq, hkv, d, window, dtype, seed, sink=True):
+    g = torch.Generator().manual_seed(seed)
+    c = make_attention_case(lengths, hq, hkv, d, dtype=dtype, device=DEV, generator=g)
+    q, k, v, s, cu = c["q"], c["k"], c["v"], c["sink"], c["cu_seqlens"]
+    s = s if sink else None
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)] + ([s.detach().requires_grad_()] if sink else [])
+    out, lse = ncp.sink_attention(*leaves[:3], leaves[3] if sink else None, cu, window=window, return_lse=True)
+    dout = torch.randn(out.shape, generator=g, dtype=torch.float32).to(DEV, dtype)
+    grads = _grads(out, leaves, dout)
+
+    ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
+    ref, ref_lse = attention_ref(*ref_leaves[:3], ref_leaves[3] if sink else None, cu, window=window)
+    ref_grads = _grads(ref, ref_leaves, dout.double())
+    lp_leaves = [t.detach().requires_grad_() for t in leaves]
+    lp, lp_lse = attention_ref(*lp_leaves[:3], lp_leaves[3] if sink else None, cu, window=window, upcast=False)
+    lp_grads = _grads(lp, lp_leaves, dout)
+
+    assert_close_to_ref(out, ref, lp, name="out")
+    assert_close_to_ref_ulp(lse, ref_lse, lp_lse.double(), name="lse")
+    for name, a, r, l in zip(("dq", "dk", "dv"), grads, ref_grads, lp_grads):
+        assert_close_to_ref(a, r, l, name=name)
+    if sink:
+        # A low-precision run computes D_i = <dO_i, O_i> from its rounded output (spec 5.7), as
+        # every flash kernel does; autograd through the low-precision reference would not.
+        lp_dsink = sink_grad_closed_form(lp.detach(), dout, lp_lse.detach(), leaves[3].detach())
+        check_dsink(grads[3], out.detach(), lse, dout, leaves[3].detach(), ref_grads[3], lp_dsink)
+
+
+CASES = [
+    # (doc mode, total, Hq, Hkv, D, window)
+    ("one", 1000, 4, 4, 128, 0),
+    ("random", 2048, 8, 1, 128, 0),
+    ("random", 1531, 8, 2, 64, 128),
+    ("window", 3000, 4, 1, 128, 513),
+    ("window", 777, 8, 8, 64, 1),
+    ("tiny", 300, 4, 4, 128, 0),
+    ("equal:513", 2100, 8, 2, 128, 513),
+    ("one", 2500, 16, 2, 64, 128),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-T{c[1]}-{c[2]}x{c[3]}-d{c[4]}-w{c[5]}" for c in CASES])
+def test_cuda_matches_oracle(case, dtype, ncp_seed):
+    mode, total, hq, hkv, d, window = case
+    lengths = doc_lengths(total, mode, window=window, generator=torch.Generator().manual_seed(ncp_seed))
+    _check_case(lengths, hq, hkv, d, window, dtype, ncp_seed)
+
+
+def test_cuda_no_sink_and_length_one_documents(ncp_seed):
+    _check_case([1, 1, 5, 1, 200, 1, 64, 1], 4, 1, 64, 0, torch.bfloat16, ncp_seed, sink=False)
+    _check_case([1, 1, 5, 1, 200, 1, 64, 1], 4, 1, 64, 3, torch.bfloat16, ncp_seed, sink=True)
+
+
+def _guarded(shape, dtype, fill, pad=4096):
+    """A tensor view inside a larger buffer whose head and tail hold a known pattern."""
+    n = 1
+    for s in shape:
+        n *= s
+    buf = torch.full((n + 2 * pad,), 7.0, dtype=torch.float32, device=DEV).to(dtype)
+    buf[pad : pad + n] = fill
+    return buf, buf[pad : pad + n].view(shape), pad
+
+
+def test_cuda_poisoned_outputs_and_guards(ncp_seed):
+    g = torch.Generator().manual_seed(ncp_seed)
+    lengths = doc_lengths(1300, "random", generator=g)
+    c = make_attention_case(lengths, 8, 2, 128, device=DEV, generator=g)
+    q, k, v, s, cu = c["q"], c["k"], c["v"], c["sink"], c["cu_seqlens"]
+    T, Hq, D = q.shape
+    ob, out, pad = _guarded((T, Hq, D), q.dtype, float("nan"))
+    lb, lse, _ = _guarded((Hq, T), torch.float32, float("nan"))
+    _C.sink_attn_fwd(dl(q), dl(k), dl(v), dl(s), dl(out), dl(lse), D**-0.5, (dl(cu), 0), None)
+    torch.cuda.synchronize()
+    assert not out.isnan().any() and not lse.isnan().any()
+    for b in (ob, lb):
+        assert bool((b[:pad] == 7).all()) and bool((b[-pad:] == 7).all()), "a guard band was overwritten"
+    dout = torch.randn_like(out)
+    bufs = [_guarded(t.shape, t.dtype, float("nan")) for t in (q, k, v)]
+    sb, dsink, _ = _guarded((Hq,), torch.float32, float("nan"))
+    delta = torch.full((Hq, T), float("nan"), device=DEV)
+    part = torch.full((Hq, _C.sink_attn_bwd_n_part(T)), float("nan"), device=DEV)
+    _C.sink_attn_bwd(dl(q), dl(k), dl(v), dl(s), dl(out), dl(lse), dl(dout), dl(bufs[0][1]), dl(bufs[1][1]),
+                     dl(bufs[2][1]), dl(dsink), dl(delta), dl(part), D**-0.5, (dl(cu), 0), 1, None)  # fmt: skip
+    torch.cuda.synchronize()
+    for b, t, p in bufs + [(sb, dsink, pad)]:
+        assert not t.isnan().any(), "an output element was never written"
+        assert bool((b[:p] == 7).all()) and bool((b[-p:] == 7).all()), "a guard band was overwritten"
+
+
+def test_cuda_backward_is_deterministic(ncp_seed):
+    g = torch.Generator().manual_seed(ncp_seed)
+    lengths = doc_lengths(4096, "random", mean=700, generator=g)
+    c = make_attention_case(lengths, 16, 2, 128, device=DEV, generator=g, requires_grad=True)
+    dout = torch.randn((c["q"].shape), generator=g).to(DEV, torch.bfloat16)
+    runs = []
+    for _ in range(2):
+        out = ncp.sink_attention(c["q"], c["k"], c["v"], c["sink"], c["cu_seqlens"], window=513)
+        runs.append(torch.autograd.grad(out, (c["q"], c["k"], c["v"], c["sink"]), dout))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+def test_cuda_matches_cpu_c_path(ncp_seed):
+    g = torch.Generator().manual_seed(ncp_seed)
+    lengths = doc_lengths(600, "random", generator=g)
+    c = make_attention_case(lengths, 4, 2, 64, dtype=torch.float16, device=DEV, generator=g)
+    args = (c["q"], c["k"], c["v"], c["sink"])
+    gpu, gpu_lse = ncp.sink_attention(*args, c["cu_seqlens"], window=100, return_lse=True)
+    cpu, cpu_lse = ncp.sink_attention(*(t.cpu() for t in args), c["cu_seqlens"].cpu(), window=100, return_lse=True)
+    ref, ref_lse = attention_ref(*(t.double() for t in args), c["cu_seqlens"], window=100)
+    lp, lp_lse = attention_ref(*args, c["cu_seqlens"], window=100, upcast=False)
+    assert_close_to_ref(gpu, ref, lp, name="gpu out")
+    assert_close_to_ref(cpu.to(DEV), ref, lp, name="cpu out")
+    assert_close_to_ref_ulp(gpu_lse, cpu_lse.to(DEV).double(), lp_lse.double(), name="gpu lse vs cpu")
+
+
+@pytest.mark.parametrize("cp,window,chunk", [(2, 0, 512), (4, 513, 512), (4, 100, 64), (8, 0, 128)])
+def test_cuda_simulated_cp_matches_whole_sequence(cp, window, chunk, ncp_seed):
+    from types import SimpleNamespace
+
+    g = torch.Generator().manual_seed(ncp_seed)
+    lengths = doc_lengths(5000, "random", mean=900, generator=g)
+    cfg = SimpleNamespace(num_attention_heads=8, num_key_value_heads=2, head_dim=128, sliding_window=window,
+                          magi_chunk_size=chunk)  # fmt: skip
+    c = make_attention_case(lengths, 8, 2, 128, device=DEV, generator=g)
+    cu = c["cu_seqlens"].cpu()
+    plans = [flint._build_magi_plan(cu, cfg, flint.SimulatedGroup(cp, r)) for r in range(cp)]
+    d = rmagi.dispatch(cu, cp, chunk)
+    dout = torch.randn(c["q"].shape, generator=g).to(DEV, torch.bfloat16)
+    ref = rcp.cp_attention_ref(c["q"], c["k"], c["v"], c["sink"], cu, dout, d, cp, window=window)
+    lp = rcp.cp_attention_ref(c["q"], c["k"], c["v"], c["sink"], cu, dout, d, cp, window=window, upcast=False)
+    loc = [[rcp.local_rows(t, d, r) for r in range(cp)] for t in (c["q"], c["k"], c["v"], dout)]
+    outs, grads = flint.simulate_cp_attention(plans, loc[0], loc[1], loc[2], c["sink"], window, 128**-0.5, loc[3])
+    for r in range(cp):
+        rr, rl = ref.ranks[r], lp.ranks[r]
+        assert_close_to_ref(outs[r], rr.out, rl.out, name=f"rank {r} out")
+        for i, name in enumerate(("dq", "dk", "dv")):
+            assert_close_to_ref(grads[r][i], getattr(rr, name), getattr(rl, name), name=f"rank {r} {name}")
+    total = sum(gr[3].double() for gr in grads)
+    lp_dsink = sink_grad_closed_form(lp.out, dout, lp.lse, c["sink"])
+    whole_out = torch.zeros_like(ref.out, dtype=outs[0].dtype)  # the kernels' outputs in global order
+    for r in range(cp):
+        idx = d.local_token_global_indices(r).to(DEV)
+        real = idx < whole_out.shape[0]
+        whole_out[idx[real]] = outs[r][real]
+    check_dsink(total, whole_out, ref.lse, dout, c["sink"], ref.dsink, lp_dsink, name="sum of dsink")
