@@ -98,14 +98,14 @@ class NcpBuildExt(build_ext):
         sources = sorted(glob.glob(os.path.join(CSRC, "cuda", "*.cu")))
         headers = sorted(glob.glob(os.path.join(CSRC, "**", "*.h"), recursive=True)
                          + glob.glob(os.path.join(CSRC, "**", "*.cuh"), recursive=True))
+        # Relative include paths and cwd=ROOT keep the cache key independent of where the tree lives.
         flags = ["-std=c++17", "-Xcompiler", "-fPIC", "-lineinfo", "--expt-relaxed-constexpr",
-                 f"-I{os.path.join(CSRC, 'include')}", f"-I{os.path.join(CSRC, 'core')}"]
+                 "-Icsrc/include", "-Icsrc/core"]
         flags += ["-O0", "-G", "-DNCP_DEBUG=1"] if debug else ["-O3", "-DNDEBUG"]
         flags += _gencode(archs)
         verbose = _env_flag("NCP_PTXAS_VERBOSE")
-        if verbose:
-            flags += ["-Xptxas", "-v"]
         version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
+        version = "\n".join(line for line in version.splitlines() if "release" in line or "Build" in line)
         hdr = hashlib.sha256()
         for h in headers:
             with open(h, "rb") as f:
@@ -127,8 +127,9 @@ class NcpBuildExt(build_ext):
 
         def compile_one(job):
             src, obj = job
-            cmd = [nvcc, "-c", src, "-o", obj + ".tmp"] + flags
-            res = subprocess.run(cmd, capture_output=True, text=True)
+            cmd = [nvcc, "-c", os.path.relpath(src, ROOT), "-o", obj + ".tmp"] + flags
+            cmd += ["-Xptxas", "-v"] if verbose else []
+            res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
             if res.returncode != 0:
                 raise RuntimeError(f"nvcc failed on {src}:\n{' '.join(cmd)}\n{res.stdout}\n{res.stderr}")
             if verbose:

@@ -49,7 +49,7 @@ _MASK_FIELDS = ("q_lo", "fwd_off", "fwd_ent", "dq_off", "dq_ent", "dkv_off", "dk
 
 
 def _i32(buf) -> Tensor:
-    return torch.frombuffer(buf, dtype=torch.int32).clone() if len(buf) else torch.empty(0, dtype=torch.int32)
+    return torch.frombuffer(buf, dtype=torch.int32) if len(buf) else torch.empty(0, dtype=torch.int32)
 
 
 @dataclass(frozen=True, eq=False)

@@ -471,8 +471,10 @@ template <typename T, int D> ncp_status launch(const ncp_sink_attn_bwd_params &b
         kv_kernel<<<dim3(p.Hkv, (p.Tk + KB - 1) / KB), kThreads, kv_bytes, s>>>(b);
         NCP_CUDA_CHECK(cudaGetLastError());
     }
-    q_kernel<<<dim3(p.Hq, (p.Tq + QB - 1) / QB), kThreads, q_bytes, s>>>(b);
-    NCP_CUDA_CHECK(cudaGetLastError());
+    if (p.Tq > 0) {
+        q_kernel<<<dim3(p.Hq, (p.Tq + QB - 1) / QB), kThreads, q_bytes, s>>>(b);
+        NCP_CUDA_CHECK(cudaGetLastError());
+    }
     return NCP_OK;
 }
 

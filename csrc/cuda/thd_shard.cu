@@ -17,9 +17,12 @@
 #include "ncp_internal.h"
 #include "thd_layout.h"
 
-static constexpr int kThreads = 256;
+namespace ncp {
+namespace {
 
-static int grid_for(int64_t n) {
+constexpr int kThreads = 256;
+
+int grid_for(int64_t n) {
     int64_t blocks = (n + kThreads - 1) / kThreads;
     if (blocks < 1) blocks = 1;
     return (int)(blocks > 65536 ? 65536 : blocks);
@@ -29,7 +32,7 @@ static int grid_for(int64_t n) {
 /* kernels                                                                                   */
 /* ---------------------------------------------------------------------------------------- */
 
-static __global__ void thd_partition_kernel(const int32_t *__restrict__ cu, int32_t n_cu, int64_t n_out, int32_t W,
+__global__ void thd_partition_kernel(const int32_t *__restrict__ cu, int32_t n_cu, int64_t n_out, int32_t W,
                                             int32_t r, int32_t *__restrict__ out) {
     for (int64_t t = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; t < n_out; t += (int64_t)gridDim.x * blockDim.x)
         out[t] = (int32_t)ncp_te_src_index(cu, n_cu, t, W, r);
@@ -47,7 +50,7 @@ __device__ __forceinline__ bool eq_token(int64_t v, ncp_dtype dt, int64_t id) {
     return dt == NCP_DT_I64 ? v == id : (int32_t)v == (int32_t)id;
 }
 
-static __global__ void mimo_shard_kernel(ncp_mimo_shard_params p, int64_t Tc, int64_t L) {
+__global__ void mimo_shard_kernel(ncp_mimo_shard_params p, int64_t Tc, int64_t L) {
     const int64_t rpc = p.B / p.num_chunks, C = p.num_chunks;
     const int64_t n_mask = (p.has_image || p.has_video) ? C * Tc : 0, n_local = C * L;
     const int64_t n = n_mask > n_local ? n_mask : n_local;
@@ -79,6 +82,9 @@ static __global__ void mimo_shard_kernel(ncp_mimo_shard_params p, int64_t Tc, in
     }
 }
 
+}  // namespace
+}  // namespace ncp
+
 /* ---------------------------------------------------------------------------------------- */
 /* entry points                                                                              */
 /* ---------------------------------------------------------------------------------------- */
@@ -87,7 +93,7 @@ extern "C" ncp_status ncp_thd_partition_cuda(const ncp_thd_partition_params *p, 
     NCP_TRY(ncp_thd_partition_check(p));
     const int64_t n_out = p->total_tokens / p->cp_size;
     cudaStream_t s = (cudaStream_t)stream;
-    thd_partition_kernel<<<grid_for(n_out), kThreads, 0, s>>>(p->cu_seqlens, p->n_cu, n_out, p->cp_size, p->cp_rank,
+    ncp::thd_partition_kernel<<<ncp::grid_for(n_out), ncp::kThreads, 0, s>>>(p->cu_seqlens, p->n_cu, n_out, p->cp_size, p->cp_rank,
                                                               p->out);
     NCP_CUDA_CHECK(cudaGetLastError());
     return NCP_OK;
@@ -99,7 +105,7 @@ extern "C" ncp_status ncp_mimo_shard_cuda(const ncp_mimo_shard_params *p, void *
     const int64_t L = p->cp_size > 1 ? Tc / p->cp_size : Tc;
     const int64_t n = p->num_chunks * Tc;
     if (n == 0) return NCP_OK;
-    mimo_shard_kernel<<<grid_for(n), kThreads, 0, (cudaStream_t)stream>>>(*p, Tc, L);
+    ncp::mimo_shard_kernel<<<ncp::grid_for(n), ncp::kThreads, 0, (cudaStream_t)stream>>>(*p, Tc, L);
     NCP_CUDA_CHECK(cudaGetLastError());
     return NCP_OK;
 }

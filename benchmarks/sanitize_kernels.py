@@ -1,0 +1,72 @@
+"""Runs every CUDA kernel once at small sizes, for compute-sanitizer (memcheck, racecheck, synccheck).
+
+    compute-sanitizer --tool memcheck --kernel-regex kns=ncp python benchmarks/sanitize_kernels.py
+Every launch goes through the public Python API, so argument plumbing is exercised as well.
+Odd sizes on purpose: partial tiles, rows past the end, documents shorter than a tile.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from types import SimpleNamespace
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import nemo_cp_native as ncp  # noqa: E402
+from nemo_cp_native import flint  # noqa: E402
+from nemo_cp_native.testing import make_mimo_batch  # noqa: E402
+from nemo_cp_native.testing_attention import doc_lengths, make_attention_case  # noqa: E402
+
+from _mesh_fake import fake_mesh  # noqa: E402
+
+
+def attention():
+    g = torch.Generator().manual_seed(0)
+    for d, dtype, hq, hkv, window, total in ((64, torch.bfloat16, 4, 2, 0, 333), (128, torch.float16, 8, 1, 100, 517),
+                                             (128, torch.bfloat16, 2, 2, 1, 190)):  # fmt: skip
+        lengths = doc_lengths(total, "random", mean=90, generator=g)
+        c = make_attention_case(lengths, hq, hkv, d, dtype=dtype, device="cuda", generator=g, requires_grad=True)
+        out = ncp.sink_attention(c["q"], c["k"], c["v"], c["sink"], c["cu_seqlens"], window=window)
+        out.backward(torch.randn_like(out))
+        out = ncp.sink_attention(c["q"], c["k"], c["v"], None, c["cu_seqlens"], window=window)
+        out.backward(torch.randn_like(out))
+    # positions mode (Flint CP, simulated ranks)
+    cfg = SimpleNamespace(num_attention_heads=4, num_key_value_heads=2, head_dim=64, sliding_window=70,
+                          magi_chunk_size=40)  # fmt: skip
+    lengths = doc_lengths(700, "random", mean=150, generator=g)
+    c = make_attention_case(lengths, 4, 2, 64, device="cuda", generator=g)
+    cu = c["cu_seqlens"].cpu()
+    for window in (0, 70):
+        plans = [flint._build_magi_plan(cu, cfg, flint.SimulatedGroup(3, r)) for r in range(3)]
+        idx = [p.keys[0].local_token_global_indices for p in plans]
+        T = c["q"].shape[0]
+
+        def local(t, i):
+            rows = t.new_zeros((i.numel(),) + tuple(t.shape[1:]))
+            real = i < T
+            rows[real] = t[i[real].cuda()]
+            return rows
+
+        loc = [[local(t, i) for i in idx] for t in (c["q"], c["k"], c["v"])]
+        douts = [torch.randn_like(x) for x in loc[0]]
+        flint.simulate_cp_attention(plans, *loc, c["sink"], window, 64**-0.5, douts)
+
+
+def mimo():
+    g = torch.Generator().manual_seed(1)
+    for B, S, C, cp in ((4, 96, 2, 4), (2, 64, 1, 2), (4, 40, 4, 1)):
+        batch = make_mimo_batch(B, S, num_chunks=C, cp_size=cp, device="cuda", image_token_id=7, video_token_id=8,
+                                generator=g)  # fmt: skip
+        with fake_mesh(cp, cp - 1) as mesh:
+            ncp.mimo.shard_batch_for_mimo_te(mesh, None, batch, num_chunks=C, image_token_id=7, video_token_id=8)
+    cu = torch.tensor([0, 8, 16, 48], dtype=torch.int32, device="cuda")
+    ncp.thd_partition_indices(cu, 64, 2, 1, validate=False)
+
+
+if __name__ == "__main__":
+    attention()
+    mimo()
+    torch.cuda.synchronize()
+    print("sanitize_kernels: all kernels ran")
