@@ -5,7 +5,7 @@
 #   summary.txt (headlines + every benchmark's printed table)  sass.txt
 #
 #   OUT=/tmp/out NCP_COMMIT=<sha> bash benchmarks/gpu_run.sh [stage ...]
-# stages: build test sanitize attn mimo flint all (default: all). Each stage appends its
+# stages: build test sanitize kernels attn mimo flint all (default: all). Each stage appends its
 # headline to summary.txt; a failing stage is reported and the next one still runs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -40,7 +40,7 @@ if want build || [ ! -e nemo_cp_native/_C*.so ] || ! ls nemo_cp_native/_C*cpytho
 fi
 
 if want test; then
-  $PY -m pytest -q -p no:cacheprovider -m cuda tests/ -rs > "$OUT/pytest.log" 2>&1
+  $PY -m pytest -q -p no:cacheprovider -m cuda tests/ -rs --continue-on-collection-errors ${PYTEST_ARGS:-} > "$OUT/pytest.log" 2>&1
   note "cuda tests: $(tail -1 "$OUT/pytest.log")"
 fi
 
@@ -51,6 +51,11 @@ if want sanitize; then
       >> "$OUT/sanitizer.log" 2>&1
     note "compute-sanitizer $tool: exit $? ($(grep -c 'ERROR SUMMARY: 0 errors' "$OUT/sanitizer.log") clean summaries so far)"
   done
+fi
+
+if want kernels; then
+  $PY benchmarks/bench_kernels.py --json "$OUT/bench_kernels.json" >> "$SUM" 2>&1
+  note "bench_kernels exit $?"
 fi
 
 if want attn; then

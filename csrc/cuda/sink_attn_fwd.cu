@@ -8,9 +8,10 @@
  * With no sink m_0 = -inf, l_0 = 0, and a row that sees no key gets O = 0, lse = -inf.
  *
  * Layout: THD q (Tq, Hq, D), k/v (Tk, Hkv, D), last dim contiguous, rows 16-byte aligned; lse (Hq, Tq).
- * Dtypes bf16/fp16, D in {64, 128}, fp32 accumulation. CTA = 8 warps x 16 query rows (BM = 128),
- * kv tiles of BN = 64 keys double-buffered through cp.async; Q stays in registers; P goes from the
- * S accumulators straight into the P @ V A-fragments. Grid (Hq, q tiles), heaviest tiles first.
+ * Dtypes bf16/fp16, D in {64, 128}, fp32 accumulation. CTA = BM = 128 query rows: 4 warps x 32 rows
+ * (default) or 8 warps x 16 rows with Q in registers (NCP_FWD_VARIANT=1); kv tiles of BN = 64 keys
+ * double-buffered through cp.async; P goes from the S accumulators straight into the P @ V
+ * A-fragments. Grid (Hq, q tiles), heaviest tiles first.
  * Only kv tiles holding a visible pair are visited (contiguous mode: computed per CTA from
  * cu_seqlens and the window; positions mode: the plan's CSR schedule), and only partial tiles pay
  * for the mask.
@@ -18,6 +19,8 @@
  * Versions: v1 (this) FA2-style mma.sync. Measured: BENCHMARKS.md.
  * Test: pytest tests/test_sink_attention_cuda.py   Bench: python benchmarks/bench_sink_attention.py
  */
+#include <stdlib.h>
+
 #include "ncp/ncp_check.h"
 #include "ncp_internal.h"
 #include "sink_attn_common.cuh"
@@ -25,16 +28,20 @@
 namespace ncp {
 namespace {
 
-constexpr int kWarps = 8;
-constexpr int kThreads = 32 * kWarps;
-constexpr int BM = NCP_FWD_BM; /* 128 = kWarps * 16 */
-constexpr int BN = NCP_FWD_BN; /* 64 */
-static_assert(BM == kWarps * 16, "one m16 tile per warp");
+constexpr int BM = NCP_FWD_BM; /* 128 query rows per CTA */
+constexpr int BN = NCP_FWD_BN; /* 64 keys per kv tile */
 
 template <int D> constexpr int smem_bytes() { return (BM * D + 4 * BN * D) * 2 + 2 * BN * 4; }
 
-template <typename T, int D>
-__global__ void __launch_bounds__(kThreads, 1) sink_attn_fwd_kernel(const ncp_sink_attn_params p) {
+/* MT m16 tiles (16 * MT query rows) per warp and NW warps: MT = 2 halves the shared-memory reads
+ * of K and V per FLOP (each B fragment feeds two MMAs) at the price of registers, so Q fragments
+ * then come from shared memory at every k step instead of living in registers. */
+template <typename T, int D, int MT, int NW, int BNI>
+__global__ void __launch_bounds__(32 * NW, MT == 1 ? 1 : 2) sink_attn_fwd_kernel(const ncp_sink_attn_params p) {
+    static_assert(16 * MT * NW == BM, "a CTA covers BM query rows");
+    static_assert(BN % BNI == 0, "the kv tile splits into inner blocks of BNI keys");
+    constexpr int kThreads = 32 * NW;
+    constexpr bool kQInRegs = MT == 1;
     extern __shared__ __align__(128) unsigned char smem[];
     const uint32_t sQ = smem_u32(smem);
     const uint32_t sK0 = sQ + BM * D * 2, sV0 = sK0 + 2 * BN * D * 2;
@@ -43,7 +50,7 @@ __global__ void __launch_bounds__(kThreads, 1) sink_attn_fwd_kernel(const ncp_si
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int h = blockIdx.x, g_kv = h / (p.Hq / p.Hkv);
     const int tile = gridDim.y - 1 - blockIdx.y; /* heavy (late) tiles first */
-    const int q0 = tile * BM;
+    const int q0 = tile * BM, wrow = warp * 16 * MT;
     const bool positions = p.q_pos != nullptr;
 
     /* ---- which kv tiles ---------------------------------------------------------------- */
@@ -76,9 +83,9 @@ __global__ void __launch_bounds__(kThreads, 1) sink_attn_fwd_kernel(const ncp_si
         const int kt = tile_at(it, full);
         load_tile<D, BN, kThreads>(sK0 + stage * BN * D * 2, kh, p.k_st, kt * BN, p.Tk, tid);
         load_tile<D, BN, kThreads>(sV0 + stage * BN * D * 2, vh, p.v_st, kt * BN, p.Tk, tid);
-        if (tid < BN) {
+        if (positions && tid < BN) {
             const int j = kt * BN + tid;
-            s_kpos[stage * BN + tid] = j >= p.Tk ? kNoKey : (positions ? __ldg(p.k_pos + j) : j);
+            s_kpos[stage * BN + tid] = j >= p.Tk ? kNoKey : __ldg(p.k_pos + j);
         }
     };
 
@@ -86,21 +93,28 @@ __global__ void __launch_bounds__(kThreads, 1) sink_attn_fwd_kernel(const ncp_si
     if (n_it > 0) load_kv(0, 0);
     cp_async_commit();
 
-    /* ---- per-row state: rows r0 = warp*16 + g and r0 + 8 ----------------------------------- */
+    /* ---- per-row state: rows wrow + 16 mt + g (+ 8) --------------------------------------- */
     const int gq = lane >> 2, tq = lane & 3;
-    int qpos[2], qlo[2];
-    row_bounds(p, q0 + warp * 16 + gq, qpos[0], qlo[0]);
-    row_bounds(p, q0 + warp * 16 + gq + 8, qpos[1], qlo[1]);
+    int qpos[MT][2], qlo[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) row_bounds(p, q0 + wrow + 16 * mt + gq + 8 * r, qpos[mt][r], qlo[mt][r]);
     const float scale_log2 = p.scale * kLog2e;
     const bool has_sink = p.sink != nullptr;
     const float sink_log2 = has_sink ? __ldg(reinterpret_cast<const float *>(p.sink) + h) * kLog2e : -INFINITY;
     /* the sink's exp(a - m) term starts on one lane of the quad so the final quad sum counts it once */
     const float l0 = (has_sink && tq == 0) ? 1.f : 0.f;
-    float m[2] = {sink_log2, sink_log2}, l[2] = {l0, l0};
-    float acc[D / 8][4];
+    float m[MT][2], l[MT][2];
+    float acc[MT][D / 8][4];
 #pragma unroll
-    for (int i = 0; i < D / 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
-    uint32_t qf[D / 16][4];
+    for (int mt = 0; mt < MT; ++mt) {
+        m[mt][0] = m[mt][1] = sink_log2;
+        l[mt][0] = l[mt][1] = l0;
+#pragma unroll
+        for (int i = 0; i < D / 8; ++i) acc[mt][i][0] = acc[mt][i][1] = acc[mt][i][2] = acc[mt][i][3] = 0.f;
+    }
+    uint32_t qf[kQInRegs ? D / 16 : 1][4];
 
     for (int it = 0; it < n_it; ++it) {
         const int stage = it & 1;
@@ -108,113 +122,135 @@ __global__ void __launch_bounds__(kThreads, 1) sink_attn_fwd_kernel(const ncp_si
         cp_async_commit();
         cp_async_wait<1>();
         __syncthreads();
-        if (it == 0) {
+        if (kQInRegs && it == 0) {
 #pragma unroll
-            for (int ks = 0; ks < D / 16; ++ks) load_a<D>(qf[ks], sQ, warp * 16, 2 * ks, lane);
+            for (int ks = 0; ks < D / 16; ++ks) load_a<D>(qf[kQInRegs ? ks : 0], sQ, wrow, 2 * ks, lane);
         }
         bool full;
-        (void)tile_at(it, full);
+        const int kt = tile_at(it, full);
         const uint32_t sK = sK0 + stage * BN * D * 2, sV = sV0 + stage * BN * D * 2;
 
-        /* S = Q K^T (16 x 64 per warp) */
-        float s[BN / 8][4];
-#pragma unroll
-        for (int i = 0; i < BN / 8; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
-#pragma unroll
-        for (int ks = 0; ks < D / 16; ++ks) {
-#pragma unroll
-            for (int np = 0; np < BN / 16; ++np) {
-                uint32_t b[4];
-                load_b_nk<D>(b, sK, np * 16, 2 * ks, lane);
-                mma16816<T>(s[2 * np], qf[ks], b);
-                mma16816<T>(s[2 * np + 1], qf[ks], b + 2);
-            }
-        }
-        /* scale into the log2 domain, mask partial tiles */
-#pragma unroll
-        for (int nt = 0; nt < BN / 8; ++nt) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                float x = s[nt][e] * scale_log2;
-                if (!full) {
-                    const int kp = s_kpos[stage * BN + nt * 8 + 2 * tq + (e & 1)];
-                    const int r = e >> 1;
-                    if (kp < qlo[r] || kp > qpos[r]) x = -INFINITY;
+#pragma unroll 1
+        for (int sub = 0; sub < BN / BNI; ++sub) {
+            /* S = Q K^T (16 MT x BNI per warp), per inner block of the kv tile */
+            float s[MT][BNI / 8][4];
+    #pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+    #pragma unroll
+                for (int i = 0; i < BNI / 8; ++i) s[mt][i][0] = s[mt][i][1] = s[mt][i][2] = s[mt][i][3] = 0.f;
+    #pragma unroll
+            for (int ks = 0; ks < D / 16; ++ks) {
+                uint32_t a[MT][4];
+    #pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    if (kQInRegs) {
+    #pragma unroll
+                        for (int e = 0; e < 4; ++e) a[mt][e] = qf[kQInRegs ? ks : 0][e];
+                    } else {
+                        load_a<D>(a[mt], sQ, wrow + 16 * mt, 2 * ks, lane);
+                    }
                 }
-                s[nt][e] = x;
+    #pragma unroll
+                for (int np = 0; np < BNI / 16; ++np) {
+                    uint32_t b[4];
+                    load_b_nk<D>(b, sK, sub * BNI + np * 16, 2 * ks, lane);
+    #pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) {
+                        mma16816<T>(s[mt][2 * np], a[mt], b);
+                        mma16816<T>(s[mt][2 * np + 1], a[mt], b + 2);
+                    }
+                }
             }
-        }
-        /* online softmax, rows r = 0 (g) and 1 (g + 8) */
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            float mx = m[r];
-#pragma unroll
-            for (int nt = 0; nt < BN / 8; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * r], s[nt][2 * r + 1]));
-            mx = quad_max(mx);
-            const float m_use = mx == -INFINITY ? 0.f : mx;
-            const float corr = ex2(m[r] - m_use);
-            float sum = 0.f;
-#pragma unroll
-            for (int nt = 0; nt < BN / 8; ++nt) {
-                s[nt][2 * r] = ex2(s[nt][2 * r] - m_use);
-                s[nt][2 * r + 1] = ex2(s[nt][2 * r + 1] - m_use);
-                sum += s[nt][2 * r] + s[nt][2 * r + 1];
+            /* scale into the log2 domain, mask partial tiles, online softmax */
+    #pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+    #pragma unroll
+                for (int nt = 0; nt < BNI / 8; ++nt)
+    #pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        float x = s[mt][nt][e] * scale_log2;
+                        if (!full) {
+                            const int col = sub * BNI + nt * 8 + 2 * tq + (e & 1);
+                            const int kp = positions ? s_kpos[stage * BN + col] : (kt * BN + col < p.Tk ? kt * BN + col : kNoKey);
+                            if (kp < qlo[mt][e >> 1] || kp > qpos[mt][e >> 1]) x = -INFINITY;
+                        }
+                        s[mt][nt][e] = x;
+                    }
+    #pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    float mx = m[mt][r];
+    #pragma unroll
+                    for (int nt = 0; nt < BNI / 8; ++nt) mx = fmaxf(mx, fmaxf(s[mt][nt][2 * r], s[mt][nt][2 * r + 1]));
+                    mx = quad_max(mx);
+                    const float m_use = mx == -INFINITY ? 0.f : mx;
+                    const float corr = ex2(m[mt][r] - m_use);
+                    float sum = 0.f;
+    #pragma unroll
+                    for (int nt = 0; nt < BNI / 8; ++nt) {
+                        s[mt][nt][2 * r] = ex2(s[mt][nt][2 * r] - m_use);
+                        s[mt][nt][2 * r + 1] = ex2(s[mt][nt][2 * r + 1] - m_use);
+                        sum += s[mt][nt][2 * r] + s[mt][nt][2 * r + 1];
+                    }
+                    l[mt][r] = l[mt][r] * corr + sum; /* quad partial sums; reduced once at the end */
+                    m[mt][r] = mx;
+    #pragma unroll
+                    for (int dt = 0; dt < D / 8; ++dt) {
+                        acc[mt][dt][2 * r] *= corr;
+                        acc[mt][dt][2 * r + 1] *= corr;
+                    }
+                }
             }
-            l[r] = l[r] * corr + sum; /* quad partial sums; reduced once at the end */
-            m[r] = mx;
-#pragma unroll
-            for (int dt = 0; dt < D / 8; ++dt) {
-                acc[dt][2 * r] *= corr;
-                acc[dt][2 * r + 1] *= corr;
-            }
-        }
-        /* O += P V */
-#pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk) {
-            uint32_t a[4];
-            a[0] = elem<T>::pack(s[2 * kk][0], s[2 * kk][1]);
-            a[1] = elem<T>::pack(s[2 * kk][2], s[2 * kk][3]);
-            a[2] = elem<T>::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-            a[3] = elem<T>::pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-#pragma unroll
-            for (int dp = 0; dp < D / 16; ++dp) {
-                uint32_t b[4];
-                load_b_kn<D>(b, sV, kk * 16, 2 * dp, lane);
-                mma16816<T>(acc[2 * dp], a, b);
-                mma16816<T>(acc[2 * dp + 1], a, b + 2);
+            /* O += P V */
+    #pragma unroll
+            for (int kk = 0; kk < BNI / 16; ++kk) {
+                uint32_t a[MT][4];
+    #pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    a[mt][0] = elem<T>::pack(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+                    a[mt][1] = elem<T>::pack(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+                    a[mt][2] = elem<T>::pack(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+                    a[mt][3] = elem<T>::pack(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+                }
+    #pragma unroll
+                for (int dp = 0; dp < D / 16; ++dp) {
+                    uint32_t b[4];
+                    load_b_kn<D>(b, sV, sub * BNI + kk * 16, 2 * dp, lane);
+    #pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) {
+                        mma16816<T>(acc[mt][2 * dp], a[mt], b);
+                        mma16816<T>(acc[mt][2 * dp + 1], a[mt], b + 2);
+                    }
+                }
             }
         }
         __syncthreads();
     }
     cp_async_wait<0>();
-    if (n_it == 0) {
-        __syncthreads();
-    }
+    __syncthreads();
 
     /* ---- epilogue: O = acc / l through shared memory, lse ------------------------------ */
-    float inv[2];
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const float lsum = quad_sum(l[r]);
-        l[r] = lsum;
-        inv[r] = lsum > 0.f ? 1.f / lsum : 0.f;
-    }
-#pragma unroll
-    for (int dt = 0; dt < D / 8; ++dt) {
+    for (int mt = 0; mt < MT; ++mt) {
+        float inv[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            const int row = warp * 16 + gq + 8 * r;
-            const uint32_t v = elem<T>::pack(acc[dt][2 * r] * inv[r], acc[dt][2 * r + 1] * inv[r]);
-            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sQ + swz<D>(row, dt) + tq * 4), "r"(v));
+            l[mt][r] = quad_sum(l[mt][r]);
+            inv[r] = l[mt][r] > 0.f ? 1.f / l[mt][r] : 0.f;
         }
-    }
-    if (tq == 0) {
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const int i = q0 + warp * 16 + gq + 8 * r;
-            if (i < p.Tq) {
-                const float lse = l[r] > 0.f ? (m[r] + __log2f(l[r])) * kLn2 : -INFINITY;
-                p.lse[(int64_t)h * p.Tq + i] = lse;
+        for (int dt = 0; dt < D / 8; ++dt)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const int row = wrow + 16 * mt + gq + 8 * r;
+                const uint32_t v = elem<T>::pack(acc[mt][dt][2 * r] * inv[r], acc[mt][dt][2 * r + 1] * inv[r]);
+                asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sQ + swz<D>(row, dt) + tq * 4), "r"(v));
+            }
+        if (tq == 0) {
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const int i = q0 + wrow + 16 * mt + gq + 8 * r;
+                if (i < p.Tq)
+                    p.lse[(int64_t)h * p.Tq + i] = l[mt][r] > 0.f ? (m[mt][r] + __log2f(l[mt][r])) * kLn2 : -INFINITY;
             }
         }
     }
@@ -232,14 +268,35 @@ __global__ void __launch_bounds__(kThreads, 1) sink_attn_fwd_kernel(const ncp_si
     }
 }
 
-template <typename T, int D> ncp_status launch(const ncp_sink_attn_params &p, cudaStream_t stream) {
+template <typename T, int D, int MT, int NW, int BNI>
+ncp_status launch(const ncp_sink_attn_params &p, cudaStream_t stream) {
     constexpr int bytes = smem_bytes<D>();
-    auto kernel = sink_attn_fwd_kernel<T, D>;
+    auto kernel = sink_attn_fwd_kernel<T, D, MT, NW, BNI>;
     NCP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
     const dim3 grid(p.Hq, (p.Tq + BM - 1) / BM);
-    kernel<<<grid, kThreads, bytes, stream>>>(p);
+    kernel<<<grid, 32 * NW, bytes, stream>>>(p);
     NCP_CUDA_CHECK(cudaGetLastError());
     return NCP_OK;
+}
+
+/* Kernel layout (NCP_FWD_VARIANT, read once): 1 = 8 warps x 16 rows, Q in registers;
+ * 2 = 4 warps x 32 rows with 32-key inner blocks at D = 128 (register budget); 3 = 4 warps x 32
+ * rows with 64-key blocks. Default: 2. */
+int variant() {
+    static int v = -1;
+    if (v < 0) {
+        const char *e = getenv("NCP_FWD_VARIANT");
+        v = (e != nullptr && e[0] >= '1' && e[0] <= '3') ? e[0] - '0' : 2;
+    }
+    return v;
+}
+
+template <typename T, int D> ncp_status launch_any(const ncp_sink_attn_params &p, cudaStream_t s) {
+    switch (variant()) {
+    case 1: return launch<T, D, 1, 8, 64>(p, s);
+    case 3: return launch<T, D, 2, 4, 64>(p, s);
+    default: return launch<T, D, 2, 4, D == 128 ? 32 : 64>(p, s);
+    }
 }
 
 }  // namespace
@@ -263,8 +320,8 @@ extern "C" ncp_status ncp_sink_attn_fwd_cuda(const ncp_sink_attn_params *p, void
     if (p->Tq == 0) return NCP_OK;
     cudaStream_t s = (cudaStream_t)stream;
     const bool bf16 = p->dtype == NCP_DT_BF16;
-    if (p->D == 64) return bf16 ? ncp::launch<__nv_bfloat16, 64>(*p, s) : ncp::launch<__half, 64>(*p, s);
-    return bf16 ? ncp::launch<__nv_bfloat16, 128>(*p, s) : ncp::launch<__half, 128>(*p, s);
+    if (p->D == 64) return bf16 ? ncp::launch_any<__nv_bfloat16, 64>(*p, s) : ncp::launch_any<__half, 64>(*p, s);
+    return bf16 ? ncp::launch_any<__nv_bfloat16, 128>(*p, s) : ncp::launch_any<__half, 128>(*p, s);
 }
 
 /* Shared with the backward file. */

@@ -107,10 +107,10 @@ def cp_attention_ref(
 
     ranks = []
     for r in range(dispatch.cp_size):
-        idx = dispatch.local_token_global_indices(r)
+        idx = dispatch.local_token_global_indices(r).to(q.device)
         real = idx < total
         rows = idx[real]
-        lse_loc = torch.empty((lse.shape[0], idx.numel()), dtype=lse.dtype)
+        lse_loc = torch.empty((lse.shape[0], idx.numel()), dtype=lse.dtype, device=lse.device)
         lse_loc[:, real] = lse[:, rows]
         lse_loc[:, ~real] = float("-inf") if sink is None else sink.to(lse.dtype)[:, None]
         part = None
