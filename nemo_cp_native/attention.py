@@ -170,14 +170,16 @@ def _check_inputs(q, k, v, sink, cu_seqlens, window, scale):
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"k and v must have the dtype of q ({q.dtype}); got {k.dtype} and {v.dtype}")
     T, Hq, D = q.shape
+    if D == 0:
+        raise ValueError(f"head_dim must be > 0; got q of shape {tuple(q.shape)}")
     if k.shape[2] != D or v.shape[2] != D:
         raise ValueError(f"q, k and v must share head_dim ({D}); got k {tuple(k.shape)} and v {tuple(v.shape)}")
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape; got {tuple(k.shape)} and {tuple(v.shape)}")
     if k.shape[0] != T:
         raise ValueError(f"k must have as many tokens as q ({T}); got {k.shape[0]}")
-    if k.shape[1] == 0 or Hq % k.shape[1]:
-        raise ValueError(f"the query heads ({Hq}) must be a multiple of the kv heads ({k.shape[1]})")
+    if Hq == 0 or k.shape[1] == 0 or Hq % k.shape[1]:
+        raise ValueError(f"the query heads ({Hq}) must be a positive multiple of the kv heads ({k.shape[1]})")
     if dev.type == "cuda" and D not in (64, 128):
         raise ValueError(f"head_dim must be 64 or 128 on CUDA; got {D}")
     if sink is not None:

@@ -101,10 +101,23 @@ class MagiAttentionKey:
         return self.total_seqlen_q // self.cp_size
 
     def device_tables(self, device: torch.device) -> dict:
-        """Index tables and mask on ``device`` (copied once per device, then cached)."""
+        """Index tables and mask on ``device`` (copied once per device, then cached).
+
+        Host tables are staged through pinned memory and copied without blocking; the pinned
+        copies stay referenced by the cache entry (a non-blocking copy from pageable memory that
+        is freed right after the call can read recycled memory).
+        """
         key = str(device)
         if key not in self._cache:
-            to = (lambda t: t.to(device, non_blocking=True)) if device.type == "cuda" else (lambda t: t)
+            keep = []
+
+            def to(t):
+                if device.type != "cuda":
+                    return t
+                host = t.contiguous().pin_memory()
+                keep.append(host)
+                return host.to(device, non_blocking=True)
+
             mask = AttnMask(q_pos=to(self.q_pos), k_pos=to(self.kv_pos), **{k: to(v) for k, v in self.mask_host.items()})
             self._cache[key] = {
                 "mask": mask,
@@ -112,6 +125,7 @@ class MagiAttentionKey:
                 "kv_src": to(self.kv_src.long()),
                 "local_slot": to(self.local_slot.long()),
                 "recv_slot": to(self.recv_slot.long()),
+                "_pinned": keep,
             }
         return self._cache[key]
 

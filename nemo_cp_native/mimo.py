@@ -47,6 +47,7 @@ __all__ = [
 ]
 
 _INT_DTYPES = (torch.int32, torch.int64)
+_INT32_MAX = 2**31 - 1
 _CONSUMED = ("seq_lens", "seq_lens_padded")
 _last_path = {"path": None, "reason": None}
 
@@ -169,6 +170,8 @@ def _fallback_reason(batch, num_chunks, cp_mesh, cp_size, token_ids) -> str | No
         return "a 0-d tensor in the batch (the reference slices every tensor per chunk)"
     if cp_size > 1 and not (dist.is_available() and dist.is_initialized()):
         return "torch.distributed is not initialized"
+    if cp_size > _INT32_MAX:
+        return "cp_size does not fit in int32"
     info = torch.iinfo(input_ids.dtype)
     if any(t is not None and not info.min <= t <= info.max for t in token_ids):
         return "a media token id does not fit the dtype of input_ids"
@@ -300,7 +303,9 @@ def _chunk_partition_indices(
         raise ValueError(f"MiMo THD num_chunks={num_chunks} must evenly divide batch size {input_ids.shape[0]}")
     cp_size, cp_rank = _resolve_rank(cp_mesh)
     simple = (
-        isinstance(num_chunks, int) and num_chunks >= 1 and padded.dtype in _INT_DTYPES
+        isinstance(num_chunks, int) and not isinstance(num_chunks, bool) and num_chunks >= 1
+        and padded.dtype in _INT_DTYPES and input_ids.dtype in _INT_DTYPES
+        and isinstance(seq_lens_padding_value, int) and cp_size <= _INT32_MAX
         and padded.shape[0] == input_ids.shape[0] and input_ids.numel() > 0
         and padded.device in (input_ids.device, torch.device("cpu"))
     )  # fmt: skip
@@ -354,6 +359,7 @@ def shard_batch_for_mimo_te(
     At most one blocking host sync per call (the copy of ``seq_lens*`` when they live on a GPU).
     """
     del tp_mesh
+    _last_path.update(path=None, reason=None)  # an error raised before a path is chosen reports None
     if loss_mask is not None:
         raise ValueError("MiMo TE THD sharding does not support an external loss_mask; encode it in labels")
     if batch.get("qkv_format") != "thd":
@@ -391,11 +397,11 @@ def shard_batch_for_mimo_te(
     if cp_size > 1:
         cp_rank = dist.get_rank(group=cp_mesh.get_group())
     pp_media = batch.get(_VLM_PP_MEDIA_KEY)
+    _last_path.update(path="native", reason=None)  # also when the native validation raises
     try:
         lay, out = _native_outputs(batch, num_chunks, cp_size, cp_rank, *token_ids, _SEQ_LENS_PADDING_VALUE)
     except Fallback as exc:
         return reference(str(exc))
-    _last_path.update(path="native", reason=None)
     if cp_size > 1:
         prepared = _sharded_view(batch, lay, out, num_chunks, cp_size, cp_rank)
     else:

@@ -54,6 +54,8 @@ def thd_partition_indices(
         raise ValueError(
             f"total_tokens must be positive and divisible by 2 * cp_size ({2 * cp_size}); got {total_tokens}"
         )
+    if total_tokens // cp_size > 2**31 - 1:  # before allocating: TE's output is int32
+        raise ValueError(f"total_tokens / cp_size must fit in int32; got {total_tokens // cp_size}")
     cu = cu_seqlens.contiguous()
     if validate:
         _C.thd_partition_validate(dl(cu if cu.device.type == "cpu" else cu.cpu()), cp_size)

@@ -47,7 +47,7 @@ int64_t ncp_mimo_layout_words(int64_t B, int64_t n_real, int64_t n_pad, int32_t 
 }
 
 /* Appends "[a, b, c]" (Python list formatting) of n int32 values to the error message. */
-static ncp_status fail_divisible(const int32_t *lens, int64_t n, int32_t divisor) {
+static ncp_status fail_divisible(const int32_t *lens, int64_t n, int64_t divisor) {
     size_t cap = 64 + (size_t)n * 13;
     char *list = (char *)malloc(cap);
     if (list == NULL) NCP_FAIL(NCP_ERR_NOMEM, "out of host memory formatting an error message");
@@ -58,7 +58,7 @@ static ncp_status fail_divisible(const int32_t *lens, int64_t n, int32_t divisor
     snprintf(list + used, cap - used, "]");
     ncp_status st = ncp_set_error(NCP_ERR_INVALID_ARG, NULL, 0, NULL, NULL,
                                   "MiMo TE context parallelism requires every padded document length "
-                                  "to be divisible by 2 * cp_size (%" PRId32 "); got %s",
+                                  "to be divisible by 2 * cp_size (%" PRId64 "); got %s",
                                   divisor, list);
     free(list);
     return st;
@@ -88,8 +88,9 @@ static ncp_status mimo_validate_chunk(const int64_t *vals, int64_t n, int64_t to
                  "MiMo TE THD seq_lens_padded must cover each pipeline chunk: got %" PRId64 " slots for %" PRId64
                  " tokens",
                  sum, tokens);
+    const int64_t div = 2 * (int64_t)W; /* int64: 2 * W overflows int32 for W >= 2^30 */
     for (int64_t i = 0; i < n; ++i)
-        if (lens[i] % (2 * W) != 0) return fail_divisible(lens, n, 2 * W);
+        if (lens[i] % div != 0) return fail_divisible(lens, n, div);
     cu[0] = 0;
     for (int64_t i = 0; i < n; ++i) cu[i + 1] = (int32_t)((uint32_t)cu[i] + (uint32_t)lens[i]);
     return NCP_OK;

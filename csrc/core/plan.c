@@ -152,7 +152,7 @@ static ncp_status build_schedule(const int32_t *kv_lo, const int32_t *kv_hi, con
         if (!(all_real && r1 - r0 == bm && first == r0 && last == r1 - 1)) continue;
         for (int64_t e = off->data[t]; e < v.n; ++e) { /* every row sees every key of the tile */
             const int64_t k0 = (int64_t)(v.data[e] >> 1) * bn, k1 = k0 + bn;
-            if (k1 <= Lkv && kv_lo[first] <= k0 && kv_hi[first] >= k1) v.data[e] |= 1;
+            if (k1 <= Lkv && kv_lo[last] <= k0 && kv_hi[first] >= k1) v.data[e] |= 1;
         }
     }
     off->data[n_tiles] = (int32_t)v.n;

@@ -9,7 +9,8 @@
  *
  * Layout: THD q (Tq, Hq, D), k/v (Tk, Hkv, D), last dim contiguous, rows 16-byte aligned; lse (Hq, Tq).
  * Dtypes bf16/fp16, D in {64, 128}, fp32 accumulation. CTA = BM = 128 query rows: 4 warps x 32 rows
- * (default) or 8 warps x 16 rows with Q in registers (NCP_FWD_VARIANT=1); kv tiles of BN = 64 keys
+ * (default, NCP_FWD_VARIANT=3; 2 = the same with 32-key inner blocks) or 8 warps x 16 rows with Q in
+ * registers (NCP_FWD_VARIANT=1); kv tiles of BN = 64 keys
  * double-buffered through cp.async; P goes from the S accumulators straight into the P @ V
  * A-fragments. Grid (Hq, q tiles), heaviest tiles first.
  * Only kv tiles holding a visible pair are visited (contiguous mode: computed per CTA from
@@ -281,12 +282,12 @@ ncp_status launch(const ncp_sink_attn_params &p, cudaStream_t stream) {
 
 /* Kernel layout (NCP_FWD_VARIANT, read once): 1 = 8 warps x 16 rows, Q in registers;
  * 2 = 4 warps x 32 rows with 32-key inner blocks at D = 128 (register budget); 3 = 4 warps x 32
- * rows with 64-key blocks. Default: 2. */
+ * rows with 64-key blocks. Default: 3 (fastest on the H200, BENCHMARKS.md). *
 int variant() {
     static int v = -1;
     if (v < 0) {
         const char *e = getenv("NCP_FWD_VARIANT");
-        v = (e != nullptr && e[0] >= '1' && e[0] <= '3') ? e[0] - '0' : 2;
+        v = (e != nullptr && e[0] >= '1' && e[0] <= '3') ? e[0] - '0' : 3;
     }
     return v;
 }
@@ -294,8 +295,8 @@ int variant() {
 template <typename T, int D> ncp_status launch_any(const ncp_sink_attn_params &p, cudaStream_t s) {
     switch (variant()) {
     case 1: return launch<T, D, 1, 8, 64>(p, s);
-    case 3: return launch<T, D, 2, 4, 64>(p, s);
-    default: return launch<T, D, 2, 4, D == 128 ? 32 : 64>(p, s);
+    case 2: return launch<T, D, 2, 4, D == 128 ? 32 : 64>(p, s);
+    default: return launch<T, D, 2, 4, 64>(p, s);
     }
 }
 

@@ -116,6 +116,8 @@ int64_t ncp_view_numel(const ncp_view *v) {
 }
 
 int ncp_view_is_contiguous(const ncp_view *v) {
+    for (int i = 0; i < v->ndim; ++i)
+        if (v->shape[i] == 0) return 1; /* as torch: an empty tensor is contiguous whatever its strides */
     int64_t expect = 1;
     for (int i = v->ndim - 1; i >= 0; --i) {
         if (v->shape[i] != 1 && v->strides[i] != expect) return 0;
