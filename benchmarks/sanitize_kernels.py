@@ -19,7 +19,7 @@ from nemo_cp_native import flint  # noqa: E402
 from nemo_cp_native.testing import make_mimo_batch  # noqa: E402
 from nemo_cp_native.testing_attention import doc_lengths, make_attention_case  # noqa: E402
 
-from _mesh_fake import fake_mesh  # noqa: E402
+from nemo_cp_native._mesh_fake import fake_mesh  # noqa: E402
 
 
 def attention():
