@@ -201,7 +201,7 @@ class _FlintCPAttention(torch.autograd.Function):
 # ------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class FlintMagiPlan:
     """Per-microbatch keys; all masks retain the same dispatched token order."""
 
@@ -264,7 +264,7 @@ def _check_local(mkey: MagiAttentionKey, q: Tensor, k: Tensor, v: Tensor, sink: 
         raise ValueError(f"query must be bfloat16 or float16 on CUDA; got {q.dtype}")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class FlintMagiBatchPlans:
     """Step-owned plans replicated by PP; a chunked index selects each plan."""
 
@@ -316,7 +316,10 @@ def _build_magi_plan(cu_seqlens: Tensor, config, group) -> FlintMagiPlan:
         raise ValueError(f"config needs num_attention_heads ({hq}) a positive multiple of num_key_value_heads ({hkv}) "
                          f"and head_dim ({d}) > 0")  # fmt: skip
     window = _config_int(config, "sliding_window", 0) or 0
-    chunk = _config_int(config, "magi_chunk_size", DEFAULT_CHUNK_SIZE) or DEFAULT_CHUNK_SIZE
+    chunk = _config_int(config, "magi_chunk_size", DEFAULT_CHUNK_SIZE)
+    chunk = DEFAULT_CHUNK_SIZE if chunk is None else chunk
+    if chunk == 0:
+        raise ValueError("config.magi_chunk_size must be a positive int (or None for the default 512); got 0")
     min_chunks = int(os.environ.get("MAGI_ATTENTION_MIN_CHUNKS_PER_RANK", "8"))
     cp, rank = _group_size_rank(group)
     windows = (0, window) if window > 0 else (0,)

@@ -1,0 +1,404 @@
+"""Flint Magi plans (``nemo_cp_native.flint`` over ``csrc/core/{magi_dispatch,plan}.c``), on the CPU.
+
+1. Partition: the C solver equals the oracle ``reference.magi.dispatch`` (hypothesis, cp in
+   {1,2,3,4,8}, requested chunk sizes above and below Magi's cap), the spec's worked vectors, the
+   union over ranks is ``[0, T_pad)`` exactly once, one partition for every window and every call.
+2. Exchange: each rank receives exactly the remote keys its queries can see
+   (``reference.magi.visible_remote_tokens``), senders send exactly that, the K/V buffer is
+   local ∪ received sorted by position.
+3. Tile schedules: the CSR lists decoded against a brute-force mask (spec §4.8, DESIGN §5).
+4. Bad input: clear exceptions (asserted by message).
+5. ``simulate_cp_attention`` on the CPU in fp32 against the float64 whole-sequence oracle.
+"""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from nemo_cp_native import flint
+from nemo_cp_native.reference import cp_attention as rcp
+from nemo_cp_native.reference import magi as rmagi
+from nemo_cp_native.testing_attention import doc_lengths, make_attention_case, pack_documents
+
+HYP = settings(max_examples=40, deadline=None, database=None,
+               suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])  # fmt: skip
+ENV = "MAGI_ATTENTION_MIN_CHUNKS_PER_RANK"
+
+
+@pytest.fixture(autouse=True)
+def _default_min_chunks(monkeypatch):
+    monkeypatch.delenv(ENV, raising=False)  # Magi's default of 8 chunks per rank
+
+
+def config(window=0, chunk=512, hq=4, hkv=2, d=16):
+    return SimpleNamespace(num_attention_heads=hq, num_key_value_heads=hkv, head_dim=d, sliding_window=window,
+                           magi_chunk_size=chunk)  # fmt: skip
+
+
+def all_plans(cu, cp, cfg):
+    return [flint._build_magi_plan(cu, cfg, flint.SimulatedGroup(cp, r)) for r in range(cp)]
+
+
+packs = st.lists(st.integers(1, 300), min_size=1, max_size=8)
+cps = st.sampled_from([1, 2, 3, 4, 8])
+chunks = st.one_of(st.integers(1, 70), st.sampled_from([128, 512, 100_000]))  # large ones get capped
+windows = st.sampled_from([1, 2, 7, 33, 64, 129, 513])
+
+
+# ============================================================================ 1. partition
+
+
+@given(lengths=packs, cp=cps, chunk=chunks, window=windows)
+@HYP
+def test_partition_equals_oracle(lengths, cp, chunk, window):
+    assume(sum(lengths) >= cp)
+    cu = pack_documents(lengths)
+    ref = rmagi.dispatch(cu, cp, chunk)
+    plans = all_plans(cu, cp, config(window, chunk))
+    seen = []
+    for r, plan in enumerate(plans):
+        assert sorted(plan.keys) == [0, window]
+        expected = ref.local_token_global_indices(r)
+        for w, key in plan.keys.items():
+            idx = key.local_token_global_indices
+            assert idx.dtype == torch.int64 and idx.ndim == 1
+            assert torch.equal(idx, expected), (r, w)
+            assert (key.total_seqlen, key.total_seqlen_q, key.chunk_size) == (
+                ref.total_seqlen, ref.total_seqlen_padded, ref.chunk_size)  # fmt: skip
+            assert key.total_seqlen_k == key.total_seqlen_q and key.pad_size == ref.total_seqlen_padded - sum(lengths)
+            assert (key.cp_size, key.cp_rank, key.window) == (cp, r, w)
+            assert key.total_seqlen_q % (key.chunk_size * cp) == 0 and idx.numel() * cp == key.total_seqlen_q
+        seen.append(expected)
+    assert torch.equal(torch.cat(seen).sort().values, torch.arange(ref.total_seqlen_padded))  # once each
+    again = flint._build_magi_plan(cu.clone(), config(window, chunk), flint.SimulatedGroup(cp, cp - 1))
+    for w in (0, window):
+        a, b = again.keys[w], plans[-1].keys[w]
+        for name in ("local_token_global_indices", "send_idx", "recv_pos", "kv_pos", "kv_src"):
+            assert torch.equal(getattr(a, name), getattr(b, name)), name
+        assert (a.send_counts, a.recv_counts) == (b.send_counts, b.recv_counts)
+        assert all(torch.equal(a.mask_host[n], b.mask_host[n]) for n in a.mask_host)
+
+
+@given(lengths=st.lists(st.integers(1, 3), min_size=1, max_size=3), cp=st.sampled_from([2, 3, 4, 8]))
+@HYP
+def test_pack_too_short_for_cp_raises_like_the_oracle(lengths, cp):
+    cu = pack_documents(lengths)
+    if sum(lengths) >= cp:
+        flint._build_magi_plan(cu, config(), flint.SimulatedGroup(cp, 0))
+        return
+    with pytest.raises(ValueError, match="fewer than cp_size"):
+        rmagi.dispatch(cu, cp, 512)
+    with pytest.raises(ValueError, match=f"too short for cp_size={cp}"):
+        flint._build_magi_plan(cu, config(), flint.SimulatedGroup(cp, 0))
+
+
+def test_worked_vectors(monkeypatch):
+    # Spec §1.4.5: one causal document of 8 tokens, C=2; the cap ceil(8 / 16) forces chunk 1.
+    p = all_plans(pack_documents([8]), 2, config(window=3))
+    assert [x.keys[0].local_token_global_indices.tolist() for x in p] == [[0, 3, 4, 7], [1, 2, 5, 6]]
+    assert p[0].keys[0].chunk_size == 1 and p[0].keys[3].local_token_global_indices.tolist() == [0, 3, 4, 7]
+    # Spec §1.4.5 solver vector: docs [10, 6], chunk 4, C=2 -> rank 0 chunks [0, 1], rank 1 [2, 3]
+    # (workloads [10, 26, 22, 18]). Reachable through the plan only when the cap allows chunk 4.
+    monkeypatch.setenv(ENV, "2")
+    p = all_plans(pack_documents([10, 6]), 2, config(chunk=4))
+    assert [x.keys[0].local_token_global_indices.tolist() for x in p] == [list(range(8)), list(range(8, 16))]
+    monkeypatch.delenv(ENV)
+    # Spec §1.3 item 3: even C=1 pads to a chunk multiple (chunk = ceil(100 / 8) = 13 -> 104).
+    k = flint._build_magi_plan(pack_documents([60, 40]), config(), None).keys[0]
+    assert (k.chunk_size, k.total_seqlen_q, k.cp_size) == (13, 104, 1)
+    assert k.local_token_global_indices.tolist() == list(range(104))
+    # Chunk cap: ceil(45 / 32) = 2 with a request of 4, padded to 48.
+    k = flint._build_magi_plan(pack_documents([30, 15]), config(chunk=4), flint.SimulatedGroup(4, 0)).keys[0]
+    assert (k.chunk_size, k.total_seqlen, k.total_seqlen_q) == (2, 45, 48)
+    # No window configured: only the full-causal key.
+    assert list(flint._build_magi_plan(pack_documents([8]), config(window=0), None).keys) == [0]
+
+
+@given(lengths=packs, cp=cps, mcr=st.integers(1, 4))
+@HYP
+def test_min_chunks_env_matches_oracle(lengths, cp, mcr, monkeypatch):
+    monkeypatch.setenv(ENV, str(mcr))
+    cu = pack_documents(lengths)
+    try:
+        ref = rmagi.dispatch(cu, cp, 64, min_chunks_per_rank=mcr)
+    except ValueError:  # fewer chunks than ranks: the C build must refuse it too
+        with pytest.raises(ValueError, match="too short for cp_size"):
+            flint._build_magi_plan(cu, config(chunk=64), flint.SimulatedGroup(cp, 0))
+        return
+    for r, plan in enumerate(all_plans(cu, cp, config(chunk=64))):
+        assert torch.equal(plan.keys[0].local_token_global_indices, ref.local_token_global_indices(r))
+
+
+# ============================================================================ 2. exchange
+
+
+@given(lengths=st.lists(st.integers(1, 100), min_size=1, max_size=8), cp=st.sampled_from([2, 3, 4, 8]),
+       chunk=chunks, window=windows)  # fmt: skip
+@settings(HYP, max_examples=25)
+def test_exchange_is_minimal_and_consistent(lengths, cp, chunk, window):
+    assume(sum(lengths) >= cp)
+    cu = pack_documents(lengths)
+    ref = rmagi.dispatch(cu, cp, chunk)
+    plans = all_plans(cu, cp, config(window, chunk))
+    for w in (0, window):
+        keys = [p.keys[w] for p in plans]
+        vis = rmagi.visible_mask(cu, ref.total_seqlen_padded, w)
+        for r, k in enumerate(keys):
+            remote = rmagi.visible_remote_tokens(cu, ref.partitions, ref.chunk_size, ref.total_seqlen_padded, r, w)
+            assert k.recv_counts[r] == 0 and k.send_counts[r] == 0
+            assert list(k.recv_counts) == [0 if o == r else remote[o].numel() for o in range(cp)]
+            want = torch.cat([remote[o] for o in range(cp) if o != r])
+            assert torch.equal(k.recv_pos.long(), want), (r, w)
+            local = k.local_token_global_indices
+            union = torch.cat([local, want]).sort().values
+            assert torch.equal(k.kv_pos.long(), union) and bool((union[1:] > union[:-1]).all())
+            # buffer bookkeeping: kv_src orders [local; received] into kv_pos; slots invert it
+            assert torch.equal(torch.cat([local, want])[k.kv_src.long()], union)
+            assert torch.equal(union[k.local_slot.long()], local) and torch.equal(union[k.recv_slot.long()], want)
+            assert k.visible_pairs == int(vis[local].sum())
+            # what rank r sends to rank d is exactly what d receives from r, in d's order
+            offs = [0]
+            for n in k.send_counts:
+                offs.append(offs[-1] + n)
+            for d in range(cp):
+                assert k.send_counts[d] == keys[d].recv_counts[r]
+                sent = local[k.send_idx[offs[d] : offs[d + 1]].long()]
+                start = sum(keys[d].recv_counts[:r])
+                assert torch.equal(sent, keys[d].recv_pos[start : start + keys[d].recv_counts[r]].long()), (r, d, w)
+    if window >= max(lengths):  # a window longer than every document is the full-causal mask
+        assert torch.equal(plans[0].keys[window].recv_pos, plans[0].keys[0].recv_pos)
+
+
+# ============================================================================ 3. tile schedules
+
+
+def _decode(off: torch.Tensor, ent: torch.Tensor) -> list[list[tuple[int, int]]]:
+    o, e = off.tolist(), ent.tolist()
+    return [[(x >> 1, x & 1) for x in e[o[t] : o[t + 1]]] for t in range(len(o) - 1)]
+
+
+def _visible(cu: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:
+    """Brute force [len(q_pos), len(k_pos)]: same document, key <= query, query - key < window."""
+    T = int(cu[-1])
+    doc = torch.full((int(max(q_pos.max(), k_pos.max())) + 1,), -1)
+    for i, (s, e) in enumerate(zip(cu.tolist(), cu[1:].tolist())):
+        doc[s:e] = i
+    qi, kj = q_pos.long()[:, None], k_pos.long()[None, :]
+    m = (doc[qi] == doc[kj]) & (qi < T) & (kj <= qi)
+    return m & (qi - kj < window) if window else m
+
+
+def _expected(mask: torch.Tensor, bm: int, bn: int) -> list[list[tuple[int, int]]]:
+    """Brute force: (q tile, kv tile) listed iff it holds a visible pair; full iff the tile is
+    complete (bm x bn) and every pair is visible (pad rows see nothing, so they are never full)."""
+    L, Lkv = mask.shape
+    nq, nk = -(-L // bm), -(-Lkv // bn)
+    padded = torch.zeros(nq * bm, nk * bn, dtype=torch.bool)
+    padded[:L, :Lkv] = mask
+    blocks = padded.reshape(nq, bm, nk, bn)
+    anyv, allv = blocks.any(3).any(1), blocks.all(3).all(1)
+    return [[(k, int(allv[t, k])) for k in range(nk) if anyv[t, k]] for t in range(nq)]
+
+
+@given(lengths=st.lists(st.integers(1, 400), min_size=1, max_size=6), cp=st.sampled_from([1, 2, 3, 4]),
+       chunk=st.sampled_from([16, 64, 100, 200, 512]), window=st.sampled_from([1, 63, 64, 129, 200]))  # fmt: skip
+@settings(HYP, max_examples=25)
+def test_tile_schedules_match_brute_force(lengths, cp, chunk, window):
+    assume(sum(lengths) >= cp)
+    _check_schedules(pack_documents(lengths), cp, chunk, window)
+
+
+def test_tile_schedule_window_regression():
+    """One document, window 129: rows 128..255 start seeing keys at 0..127, so kv tile 1 (keys
+    64..127) of q tile 1 is partial. Flagging full from the first row's range alone
+    (``kv_lo[first] <= k0``, as commit ec8f5ac has it) marks it full."""
+    _check_schedules(pack_documents([1000]), 1, 512, 129)
+    fwd = flint._build_magi_plan(pack_documents([1000]), config(129), None).keys[129].mask_host
+    assert _decode(fwd["fwd_off"], fwd["fwd_ent"])[1][:2] == [(0, 0), (1, 0)]
+
+
+def _check_schedules(cu, cp, chunk, window):
+    for plan in all_plans(cu, cp, config(window, chunk)):
+        for w, k in plan.keys.items():
+            mask = _visible(cu, k.local_token_global_indices, k.kv_pos, w)  # [L, Lkv]: row i sees slot j
+            L, Lkv = mask.shape
+            m = k.mask_host
+            # the kernels' own row rule (q_lo <= k_pos <= q_pos) is the same mask
+            rule = (k.kv_pos[None, :] >= m["q_lo"][:, None]) & (k.kv_pos[None, :].long() <= k.q_pos[:, None])
+            assert torch.equal(rule, mask)
+            fwd, dq = _decode(m["fwd_off"], m["fwd_ent"]), _decode(m["dq_off"], m["dq_ent"])
+            assert len(fwd) == -(-L // 128) and len(dq) == -(-L // 64)
+            assert fwd == _expected(mask, 128, 64), (plan.keys[w].cp_rank, w)
+            assert dq == _expected(mask, 64, 64), (plan.keys[w].cp_rank, w)
+            dkv = _decode(m["dkv_off"], m["dkv_ent"])
+            transposed = [[] for _ in range(-(-Lkv // 64))]
+            for t, row in enumerate(dq):
+                for kt, full in row:
+                    transposed[kt].append((t, full))
+            assert dkv == transposed
+
+
+def test_schedule_has_full_tiles_for_long_documents():
+    """Sanity that the brute force above is not vacuous: a long document yields full tiles."""
+    cu = pack_documents([3000])
+    k = flint._build_magi_plan(cu, config(window=700, chunk=256), flint.SimulatedGroup(2, 0)).keys
+    for w in (0, 700):
+        ent = k[w].mask_host["fwd_ent"]
+        assert bool((ent & 1).any()) and bool(((ent & 1) == 0).any()), w
+
+
+# ============================================================================ 4. bad input
+
+
+@pytest.mark.parametrize(
+    "cu,match",
+    [
+        (torch.tensor([0, 8], dtype=torch.int32, device="meta"), "CPU int32"),
+        (torch.tensor([0, 8], dtype=torch.int64), "CPU int32"),
+        ([0, 8], "CPU int32"),
+        (torch.tensor([[0, 8]], dtype=torch.int32), "1-D"),
+        (torch.tensor([1, 8], dtype=torch.int32), "start at 0"),
+        (torch.tensor([0, 8, 8], dtype=torch.int32), "strictly increasing"),
+        (torch.tensor([0, 8, 4], dtype=torch.int32), "strictly increasing"),
+        (torch.tensor([0], dtype=torch.int32), "at least one document"),
+        (torch.tensor([0, 3], dtype=torch.int32), "too short for cp_size=4"),
+    ],
+)
+def test_build_rejects_bad_cu_seqlens(cu, match):
+    with pytest.raises(ValueError, match=match):
+        flint._build_magi_plan(cu, config(window=4), flint.SimulatedGroup(4, 1))
+
+
+def test_build_rejects_bad_config():
+    cu = pack_documents([64])
+    with pytest.raises(ValueError, match="multiple of num_key_value_heads"):
+        flint._build_magi_plan(cu, config(hq=4, hkv=3), None)
+    with pytest.raises(ValueError, match="config.sliding_window must be a non-negative int"):
+        flint._build_magi_plan(cu, config(window=-1), None)
+
+
+def _cp1_case(T=200, hq=4, hkv=2, d=16, window=16):
+    cu = pack_documents(doc_lengths(T, "window", window=window))
+    plan = flint._build_magi_plan(cu, config(window, hq=hq, hkv=hkv, d=d), None)
+    L = plan.keys[0].num_local_tokens
+    q, k, v = torch.randn(L, hq, d), torch.randn(L, hkv, d), torch.randn(L, hkv, d)
+    return plan, q, k, v, torch.randn(hq), cu
+
+
+def test_attention_rejects_bad_input():
+    plan, q, k, v, s, _ = _cp1_case(T=203)  # chunk ceil(203 / 8) = 26 -> 208 rows
+    assert q.shape[0] == 208
+    for w in (7, True, "16", None):
+        with pytest.raises(ValueError, match="has no key in this FlintMagiPlan"):
+            plan.attention(q, k, v, s, w, 0.25)
+    with pytest.raises(ValueError, match=r"query must have shape \(208, 4, head_dim\)"):
+        plan.attention(q[1:], k, v, s, 0, 0.25)
+    with pytest.raises(ValueError, match="query must have shape"):
+        plan.attention(q[:, :2], k, v, s, 16, 0.25)
+    with pytest.raises(ValueError, match=r"key must have shape \(208, 2, 16\)"):
+        plan.attention(q, k[:, :1], v, s, 0, 0.25)
+    with pytest.raises(ValueError, match="value must match query's dtype"):
+        plan.attention(q, k, v.double(), s, 0, 0.25)
+    with pytest.raises(ValueError, match="sink must be float32 of shape"):
+        plan.attention(q, k, v, s.double(), 0, 0.25)
+    sim = flint._build_magi_plan(pack_documents([200]), config(16), flint.SimulatedGroup(2, 0))
+    L = sim.keys[0].num_local_tokens
+    with pytest.raises(ValueError, match="built for simulated ranks"):
+        sim.attention(torch.randn(L, 4, 16), torch.randn(L, 2, 16), torch.randn(L, 2, 16), s, 0, 0.25)
+
+
+def test_select():
+    plans = [flint._build_magi_plan(pack_documents([n]), config(), None) for n in (40, 50, 60)]
+    bp = flint.FlintMagiBatchPlans(plans=tuple(plans))
+    for i in range(3):
+        assert bp.select(torch.tensor([i])) is plans[i]
+        assert bp.select(torch.arange(3)[i : i + 1]) is plans[i]  # a PP split of arange(chunks)
+    assert bp.select(torch.tensor(2)) is plans[2]
+    for bad, match in [(torch.tensor([1], dtype=torch.int32), "int64 tensor with one element"),
+                       (torch.tensor([0, 1]), "int64 tensor with one element"), (1, "int64 tensor"),
+                       (torch.tensor([3]), "3 is out of range for 3 plans"),
+                       (torch.tensor([-1]), "-1 is out of range")]:  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            bp.select(bad)
+
+
+# ============================================================================ 5. attention vs oracle
+
+
+def _window_docs(T, window, g):
+    """Lengths summing to T around the window (W-1, W, W+1, 1, 2W, shuffled), always with one
+    document shorter and one longer than W."""
+    head = [2 * window + 1, window - 1]
+    lengths = head + doc_lengths(T - sum(head), "window", window=window, generator=g)
+    return [lengths[i] for i in torch.randperm(len(lengths), generator=g).tolist()]
+
+
+def _max_rel_err(got: torch.Tensor, ref: torch.Tensor, scale: float) -> float:
+    return float((got.detach().double() - ref).abs().max()) / scale
+
+
+def test_cp1_plan_attention_matches_oracle(ncp_seed):
+    plan, q, k, v, s, cu = _cp1_case(T=201 + ncp_seed % 50)
+    key = plan.keys[16]
+    T = key.total_seqlen
+    leaves = [t.requires_grad_() for t in (q, k, v, s)]
+    out = plan.attention(*leaves, 16, 0.3)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, leaves, dout)
+    d = rmagi.DispatchRef(T, key.total_seqlen_q, key.chunk_size, (tuple(range(key.total_seqlen_q // key.chunk_size)),))
+    ref = rcp.cp_attention_ref(q[:T], k[:T], v[:T], s, cu, dout[:T], d, window=16, scale=0.3)
+    r0 = ref.ranks[0]
+    for name, got, want, full in [("out", out, r0.out, ref.out), ("dq", grads[0], r0.dq, ref.dq),
+                                  ("dk", grads[1], r0.dk, ref.dk), ("dv", grads[2], r0.dv, ref.dv)]:  # fmt: skip
+        assert _max_rel_err(got, want, float(full.abs().max())) <= 1e-5, name
+    assert torch.all((grads[3].double() - ref.dsink).abs() <= 1e-5 * ref.dsink.abs().max() + 1e-6)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_simulated_cp_matches_whole_sequence_oracle(cp, ncp_seed):
+    """Every rank's out/dq/dk/dv against the float64 oracle, and the partial dsinks summed.
+
+    Tolerance: both sides see the same fp32 inputs (the oracle upcasts them exactly) and the CPU
+    kernels accumulate every sum in double, so the only errors are the final roundings to fp32
+    (0.5 ulp, 2**-24 relative) and, for dK/dV, the fp32 sum of at most cp partials returned by
+    other ranks (<= cp roundings). That is < 1e-6 of the largest magnitude; 1e-5 leaves 10x
+    headroom and is still ~100x below the effect of a dropped or extra key (O(1/length)).
+    """
+    g = torch.Generator().manual_seed(ncp_seed)
+    window = int(torch.randint(20, 60, (1,), generator=g))
+    hd = [16, 24, 40, 64][int(torch.randint(0, 4, (1,), generator=g))]
+    req = [8, 16, 512][int(torch.randint(0, 3, (1,), generator=g))]
+    T = int(torch.randint(300, 700, (1,), generator=g))
+    while rmagi.padded_length(T, rmagi.effective_chunk_size(T, cp, req), cp) == T:
+        T += 1  # always some tail padding rows
+    lengths = _window_docs(T, window, g)
+    c = make_attention_case(lengths, 4, 2, hd, dtype=torch.float32, generator=g)
+    cu, scale = c["cu_seqlens"], hd**-0.5
+    plans = all_plans(cu, cp, config(window, req, d=hd))
+    d = rmagi.dispatch(cu, cp, req)
+    dout = torch.randn(c["q"].shape, generator=g)
+    loc = [[rcp.local_rows(t, d, r) for r in range(cp)] for t in (c["q"], c["k"], c["v"], dout)]
+    for w in (0, window):
+        ref = rcp.cp_attention_ref(c["q"], c["k"], c["v"], c["sink"], cu, dout, d, cp, window=w, scale=scale)
+        outs, grads = flint.simulate_cp_attention(plans, loc[0], loc[1], loc[2], c["sink"], w, scale, loc[3])
+        mags = {n: float(getattr(ref, n).abs().max()) for n in ("out", "dq", "dk", "dv")}
+        assert any(bool((rr.local_indices >= T).any()) for rr in ref.ranks)  # tail padding rows exist
+        for r in range(cp):
+            rr = ref.ranks[r]
+            pad = rr.local_indices >= T
+            for name, got in zip(("out", "dq", "dk", "dv"), (outs[r],) + grads[r][:3]):
+                err = _max_rel_err(got, getattr(rr, name), mags[name])
+                assert err <= 1e-5, f"window {w} rank {r} {name}: max err {err:.3g} of max |ref|"
+                assert not bool(got[pad].any()), f"window {w} rank {r} {name}: pad rows not zero"
+            # partial dsink of this rank == closed form over its real queries
+            assert torch.allclose(grads[r][3].double(), rr.dsink, rtol=1e-5, atol=1e-6 * mags["out"])
+        total = sum(gr[3].double() for gr in grads)
+        p_sink = torch.exp(c["sink"].double()[:, None] - ref.lse)  # [Hq, T]
+        budget = (p_sink * (dout.double() * ref.out).abs().sum(-1).T).sum(1)  # sum of |terms|
+        assert torch.all((total - ref.dsink).abs() <= 1e-5 * budget + 1e-7), (w, total, ref.dsink)
