@@ -74,6 +74,8 @@ def _sink_attn_fwd(
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     out = torch.empty_like(q)
     lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
+    if q.shape[0] == 0:  # no query rows: nothing to compute (and empty tensors carry NULL data pointers)
+        return out, lse
     flat = (cu_seqlens, window, q_pos, q_lo, k_pos, fwd_off, fwd_ent, None, None, None, None)
     _C.sink_attn_fwd(dl(q), dl(k), dl(v), dl(sink), dl(out), dl(lse), float(scale), _mask_capsules(flat, False),
                      stream_of(q.device))  # fmt: skip
@@ -95,6 +97,8 @@ def _sink_attn_bwd(
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     Hq, Tq = q.shape[1], q.shape[0]
     dsink = torch.empty_like(sink) if sink is not None else q.new_zeros((0,), dtype=torch.float32)
+    if Tq == 0:  # no query rows: every gradient is zero
+        return dq, dk.zero_(), dv.zero_(), dsink.zero_()
     cuda = q.device.type == "cuda"
     delta = torch.empty((Hq, Tq), dtype=torch.float32, device=q.device)
     part = None

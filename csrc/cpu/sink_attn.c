@@ -98,7 +98,8 @@ static void store(void *base, ncp_dtype dt, int64_t i, double v) {
 
 ncp_status ncp_sink_attn_check(const ncp_sink_attn_params *p, int on_cuda) {
     NCP_ARG_CHECK(p != NULL, "sink_attention: params must not be NULL");
-    NCP_ARG_CHECK(p->q && p->k && p->v && p->out && p->lse, "q, k, v, out and lse must not be NULL");
+    NCP_ARG_CHECK(p->Tq == 0 || (p->q && p->out && p->lse), "q, out and lse must not be NULL");
+    NCP_ARG_CHECK(p->Tk == 0 || (p->k && p->v), "k and v must not be NULL");
     NCP_ARG_CHECK(p->Tq >= 0 && p->Tk >= 0, "token counts must be >= 0; got Tq=%" PRId32 ", Tk=%" PRId32, p->Tq, p->Tk);
     NCP_ARG_CHECK(p->Hq > 0 && p->Hkv > 0 && p->Hq % p->Hkv == 0,
                   "the number of query heads (%" PRId32 ") must be a positive multiple of the kv heads (%" PRId32 ")",
@@ -132,7 +133,8 @@ ncp_status ncp_sink_attn_check(const ncp_sink_attn_params *p, int on_cuda) {
 ncp_status ncp_sink_attn_bwd_check(const ncp_sink_attn_bwd_params *p, int on_cuda) {
     NCP_ARG_CHECK(p != NULL, "sink_attention backward: params must not be NULL");
     NCP_TRY(ncp_sink_attn_check(&p->f, on_cuda));
-    NCP_ARG_CHECK(p->dout && p->dq && p->dk && p->dv, "dout, dq, dk and dv must not be NULL");
+    NCP_ARG_CHECK(p->f.Tq == 0 || (p->dout && p->dq), "dout and dq must not be NULL");
+    NCP_ARG_CHECK(p->f.Tk == 0 || (p->dk && p->dv), "dk and dv must not be NULL");
     NCP_ARG_CHECK((p->f.sink == NULL) == (p->dsink == NULL), "dsink must be given exactly when sink is");
     if (on_cuda) {
         NCP_ARG_CHECK(p->delta != NULL, "the CUDA backward needs a delta workspace");
@@ -201,7 +203,7 @@ static double row_scores(const ncp_sink_attn_params *p, int32_t i, int32_t h, in
         const int64_t kb = (int64_t)j * p->k_st + (int64_t)g * p->k_sh;
         double acc = 0.0;
         for (int32_t d = 0; d < D; ++d) acc += qrow[d] * load(p->k, p->dtype, kb + d);
-        z[j - j0] = acc * (double)p->scale;
+        z[j - j0] = acc * p->scale;
         if (z[j - j0] > m) m = z[j - j0];
     }
     if (m == -INFINITY) return -INFINITY;
@@ -271,7 +273,7 @@ static double bwd_row(const ncp_sink_attn_bwd_params *b, int32_t i, int32_t h, i
         const int64_t kb = (int64_t)j * p->k_st + (int64_t)g * p->k_sh, vb = (int64_t)j * p->v_st + (int64_t)g * p->v_sh;
         double dp = 0.0;
         for (int32_t d = 0; d < D; ++d) dp += dorow[d] * load(p->v, p->dtype, vb + d);
-        const double dz = P * (dp - delta) * (double)p->scale;
+        const double dz = P * (dp - delta) * p->scale;
         double *dkj = dk_acc + ((int64_t)j * p->Hkv + g) * D, *dvj = dv_acc + ((int64_t)j * p->Hkv + g) * D;
         for (int32_t d = 0; d < D; ++d) {
             dqrow[d] += dz * load(p->k, p->dtype, kb + d);

@@ -206,7 +206,7 @@ __global__ void __launch_bounds__(kThreads, 2) bwd_dkdv_kernel(const ncp_sink_at
         const int j = k0 + warp * 16 + gq + 8 * r;
         kpos[r] = j >= p.Tk ? kNoKey : (positions ? __ldg(p.k_pos + j) : j);
     }
-    const float scale_log2 = p.scale * kLog2e;
+    const float scale_log2 = (float)p.scale * kLog2e;
     float dk[D / 8][4], dv[D / 8][4];
 #pragma unroll
     for (int i = 0; i < D / 8; ++i)
@@ -308,7 +308,7 @@ __global__ void __launch_bounds__(kThreads, 2) bwd_dkdv_kernel(const ncp_sink_at
     }
     cp_async_wait<0>();
     __syncthreads();
-    store_tile<T, D>(dk, p.scale, sQ0, reinterpret_cast<T *>(b.dk) + (int64_t)g_kv * b.dk_sh, b.dk_st, k0, p.Tk, tid);
+    store_tile<T, D>(dk, (float)p.scale, sQ0, reinterpret_cast<T *>(b.dk) + (int64_t)g_kv * b.dk_sh, b.dk_st, k0, p.Tk, tid);
     store_tile<T, D>(dv, 1.f, sQ0, reinterpret_cast<T *>(b.dv) + (int64_t)g_kv * b.dv_sh, b.dv_st, k0, p.Tk, tid);
 }
 
@@ -376,7 +376,7 @@ __global__ void __launch_bounds__(kThreads, 2) bwd_dq_kernel(const ncp_sink_attn
         lse[r] = i < p.Tq ? p.lse[(int64_t)h * p.Tq + i] * kLog2e : 0.f;
         dl[r] = i < p.Tq ? b.delta[(int64_t)h * p.Tq + i] : 0.f;
     }
-    const float scale_log2 = p.scale * kLog2e;
+    const float scale_log2 = (float)p.scale * kLog2e;
     float dq[D / 8][4];
 #pragma unroll
     for (int i = 0; i < D / 8; ++i) dq[i][0] = dq[i][1] = dq[i][2] = dq[i][3] = 0.f;
@@ -446,7 +446,7 @@ __global__ void __launch_bounds__(kThreads, 2) bwd_dq_kernel(const ncp_sink_attn
     }
     cp_async_wait<0>();
     __syncthreads();
-    store_tile<T, D>(dq, p.scale, sQ, reinterpret_cast<T *>(b.dq) + (int64_t)h * b.dq_sh, b.dq_st, q0, p.Tq, tid);
+    store_tile<T, D>(dq, (float)p.scale, sQ, reinterpret_cast<T *>(b.dq) + (int64_t)h * b.dq_sh, b.dq_st, q0, p.Tq, tid);
 }
 
 /* ======================================================================================== */

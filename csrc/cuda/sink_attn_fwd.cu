@@ -101,7 +101,7 @@ __global__ void __launch_bounds__(32 * NW, MT == 1 ? 1 : 2) sink_attn_fwd_kernel
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int r = 0; r < 2; ++r) row_bounds(p, q0 + wrow + 16 * mt + gq + 8 * r, qpos[mt][r], qlo[mt][r]);
-    const float scale_log2 = p.scale * kLog2e;
+    const float scale_log2 = (float)p.scale * kLog2e;
     const bool has_sink = p.sink != nullptr;
     const float sink_log2 = has_sink ? __ldg(reinterpret_cast<const float *>(p.sink) + h) * kLog2e : -INFINITY;
     /* the sink's exp(a - m) term starts on one lane of the quad so the final quad sum counts it once */

@@ -147,7 +147,7 @@ PyObject *ncp_py_sink_attn_fwd(PyObject *m, PyObject *const *args, Py_ssize_t na
     void *stream;
     if (view_at(&a, A_Q, args[0], 0) < 0 || view_at(&a, A_K, args[1], 0) < 0 || view_at(&a, A_V, args[2], 0) < 0 ||
         view_at(&a, A_SINK, args[3], 1) < 0 || view_at(&a, A_OUT, args[4], 0) < 0 || view_at(&a, A_LSE, args[5], 0) < 0 ||
-        ncp_py_f32(args[6], "scale", &p.scale) < 0 || parse_mask(&a, args[7], &p.window, 0) < 0 ||
+        ncp_py_f64(args[6], "scale", &p.scale) < 0 || parse_mask(&a, args[7], &p.window, 0) < 0 ||
         ncp_py_stream(args[8], &stream) < 0 || check_forward(&a, &p) < 0)
         return NULL;
     ncp_status st;
@@ -181,7 +181,7 @@ PyObject *ncp_py_sink_attn_bwd(PyObject *m, PyObject *const *args, Py_ssize_t na
     static const int optional[13] = {0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 1, 1, 1};
     for (int i = 0; i < 13; ++i)
         if (view_at(&a, slots[i], args[i], optional[i]) < 0) return NULL;
-    if (ncp_py_f32(args[13], "scale", &b.f.scale) < 0 || parse_mask(&a, args[14], &b.f.window, 1) < 0 ||
+    if (ncp_py_f64(args[13], "scale", &b.f.scale) < 0 || parse_mask(&a, args[14], &b.f.window, 1) < 0 ||
         ncp_py_i32(args[15], "deterministic", &b.f.deterministic) < 0 || ncp_py_stream(args[16], &stream) < 0 ||
         check_forward(&a, &b.f) < 0)
         return NULL;

@@ -52,14 +52,14 @@ int ncp_py_i32(PyObject *o, const char *name, int32_t *out) {
     return 0;
 }
 
-int ncp_py_f32(PyObject *o, const char *name, float *out) {
+int ncp_py_f64(PyObject *o, const char *name, double *out) {
     double v = PyFloat_AsDouble(o);
     if (v == -1.0 && PyErr_Occurred()) return -1;
     if (!isfinite(v)) {
         PyErr_Format(PyExc_ValueError, "%s must be finite", name);
         return -1;
     }
-    *out = (float)v;
+    *out = v;
     return 0;
 }
 

@@ -19,7 +19,7 @@ PyObject *ncp_py_raise(ncp_status st);
 int ncp_py_nargs(const char *fn, Py_ssize_t nargs, Py_ssize_t want);
 int ncp_py_i64(PyObject *o, const char *name, int64_t *out);
 int ncp_py_i32(PyObject *o, const char *name, int32_t *out);
-int ncp_py_f32(PyObject *o, const char *name, float *out);
+int ncp_py_f64(PyObject *o, const char *name, double *out);
 int ncp_py_stream(PyObject *o, void **out);
 
 #define NCP_DT(x) (1u << (x))

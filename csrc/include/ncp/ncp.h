@@ -162,7 +162,7 @@ typedef struct {
     float *lse;          /* (Hq, Tq) fp32, includes the sink */
     int64_t q_st, q_sh, k_st, k_sh, v_st, v_sh, o_st, o_sh; /* element strides (token, head) */
     int32_t Tq, Tk, Hq, Hkv, D;
-    float scale;
+    double scale;        /* score scale (double: fp64 CPU runs use it exactly; kernels round it) */
     ncp_dtype dtype;     /* of q, k, v, out */
     /* Mask, contiguous mode (q_pos == NULL): Tq == Tk and token i sits at position i. */
     const int32_t *cu_seqlens; /* (n_cu,) document boundaries, cu[0] = 0, cu[n_cu-1] = Tq */
