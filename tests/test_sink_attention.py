@@ -160,7 +160,7 @@ def test_window_one_without_sink_is_the_identity_on_v(dtype, ncp_seed):
     out, lse = ncp.sink_attention(q, k, v, None, c["cu_seqlens"], window=1, return_lse=True)
     assert torch.equal(out, v.detach().repeat_interleave(2, dim=1))
     z = torch.einsum("thd,thd->ht", q.detach().double(), k.detach().double().repeat_interleave(2, dim=1))
-    assert torch.equal(lse, (z * float(torch.tensor(32**-0.5, dtype=torch.float32))).float())
+    assert torch.equal(lse, (z * 32**-0.5).float())
     dout = torch.randn(out.shape, generator=g).to(dtype)
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
     assert not dq.any() and not dk.any()
