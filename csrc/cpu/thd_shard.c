@@ -88,8 +88,10 @@ static inline int64_t load_int(const void *base, ncp_dtype dt, int64_t off) {
     return dt == NCP_DT_I64 ? ((const int64_t *)base)[off] : (int64_t)((const int32_t *)base)[off];
 }
 
-/* Token at flat position g of chunk c: row c*rpc + g / S, column g % S. */
+/* Token at flat position g of chunk c: row c*rpc + g / S, column g % S (no division when the rows
+ * are laid out back to back, st0 == S * st1, the usual case). */
 static inline int64_t token_offset(int64_t c, int64_t rpc, int64_t S, int64_t g, int64_t st0, int64_t st1) {
+    if (st0 == S * st1) return (c * rpc * S + g) * st1;
     int64_t row = c * rpc + g / S, col = g % S;
     return row * st0 + col * st1;
 }

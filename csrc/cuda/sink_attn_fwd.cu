@@ -282,7 +282,7 @@ ncp_status launch(const ncp_sink_attn_params &p, cudaStream_t stream) {
 
 /* Kernel layout (NCP_FWD_VARIANT, read once): 1 = 8 warps x 16 rows, Q in registers;
  * 2 = 4 warps x 32 rows with 32-key inner blocks at D = 128 (register budget); 3 = 4 warps x 32
- * rows with 64-key blocks. Default: 3 (fastest on the H200, BENCHMARKS.md). *
+ * rows with 64-key blocks. Default: 3 (fastest on the H200, BENCHMARKS.md). */
 int variant() {
     static int v = -1;
     if (v < 0) {

@@ -43,6 +43,7 @@ __device__ __forceinline__ int64_t load_int(const void *base, ncp_dtype dt, int6
 }
 
 __device__ __forceinline__ int64_t token_off(int64_t c, int64_t rpc, int64_t S, int64_t g, int64_t st0, int64_t st1) {
+    if (st0 == S * st1) return (c * rpc * S + g) * st1; /* rows back to back: no division */
     return (c * rpc + g / S) * st0 + (g % S) * st1;
 }
 

@@ -1,0 +1,415 @@
+"""The native MiMo sharder in its surroundings: process groups, the framework, upstream, CUDA.
+
+1. Real gloo process groups (one 4-rank spawn): cp = 4 (a 1-D mesh) and cp = 2 (the "cp" dim of a
+   dp x cp mesh): native == oracle on every rank, the ranks' local indices cover every token of
+   every chunk exactly once and their gathered tokens rebuild the stream; the sharder's
+   ``gather_token_tensor`` undoes the shard.
+2. ``make_mimo_te_cp_sharder`` unbound and rebound to a mesh, with a model (setup side effect,
+   token verbs); parity with upstream's own ``shard_batch_for_mimo_te`` on a handful of matrix cases;
+   ``nemo_cp_native.patch()`` / ``unpatch()`` / ``patched()`` swap and restore upstream's names.
+3. The fused shard pass writes every element of its outputs and nothing around them (STYLE 12).
+4. CUDA (``@pytest.mark.cuda``): native on CUDA == native on CPU == oracle; devices of the outputs,
+   with the metadata on the GPU or on the CPU; CPU/GPU mixes; the host-sync budget (at most 1 per
+   call, 0 with the metadata on the CPU, while the reference makes many), and that the call does
+   not wait for the GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+import warnings
+
+import pytest
+import torch
+from _mesh import FakeCPMesh, fake_dist, run_distributed
+from _upstream import (
+    FakeMiMoModel,
+    assert_same,
+    assert_same_outcome,
+    call,
+    case_meshes,
+    draw_case,
+    fake_transformer_engine,
+    gen,
+    upstream_modules,
+    upstream_version,
+)
+
+import nemo_cp_native
+from nemo_cp_native import _C, _compat
+from nemo_cp_native import mimo as nat
+from nemo_cp_native._ops import dl, stream_of
+from nemo_cp_native.reference import mimo as ref
+from nemo_cp_native.testing import make_mimo_batch
+
+IMG, VID = 151655, 151656
+PATCHED_NAMES = ("shard_batch_for_mimo_te", "make_mimo_te_cp_sharder", "_chunk_partition_indices", "_media_mask",
+                 "_flatten_chunks")  # fmt: skip
+META = ("seq_lens", "seq_lens_padded")
+TOKEN_OUT = ("input_ids", "labels", "position_ids", "padding_mask", "_mimo_thd_local_indices",
+             "_mimo_global_image_mask", "_mimo_global_video_mask")  # fmt: skip
+FRAMEWORK_META_OUT = ("cu_seqlens", "cu_seqlens_padded", "max_seqlen")
+
+
+# =============================================================================================
+# 1. Real gloo process groups
+# =============================================================================================
+
+
+def _gloo_worker(rank, world_size, seed):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    g = gen(seed)  # the same draws on every rank
+    for cp in (world_size, 2):
+        if cp == world_size:
+            mesh = init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",))
+        else:
+            mesh = init_device_mesh("cpu", (world_size // cp, cp), mesh_dim_names=("dp", "cp"))["cp"]
+        group = mesh.get_group()
+        for C in (1, 2, 4):
+            batch, opts, _ = draw_case(g, B=4, C=C, cp=cp, S=2 * cp * 4, min_doc=C == 2, absorption=C == 4)
+            r = call(ref.shard_batch_for_mimo_te, mesh, None, dict(batch), **opts)
+            n = call(nat.shard_batch_for_mimo_te, mesh, None, dict(batch), **opts)
+            assert nat.fast_path_info()["path"] == "native", nat.fast_path_info()
+            assert r[0] == "ok", r
+            assert_same_outcome(r, n)
+            out = n[1][1]
+            assert out["cp_rank"] == dist.get_rank(group=group) == rank % cp and out["cp_size"] == cp
+            local = out["_mimo_thd_local_indices"].reshape(C, -1).contiguous()
+            ids = out["input_ids"].reshape(C, -1).contiguous()
+            all_local = [torch.empty_like(local) for _ in range(cp)]
+            all_ids = [torch.empty_like(ids) for _ in range(cp)]
+            dist.all_gather(all_local, local, group=group)
+            dist.all_gather(all_ids, ids, group=group)
+            stream = batch["input_ids"].reshape(C, -1).long()
+            for c in range(C):
+                idx = torch.cat([p[c] for p in all_local])
+                assert torch.equal(idx.sort().values, torch.arange(stream.shape[1])), f"cp {cp} chunk {c}: not covered"
+                rebuilt = torch.empty_like(stream[c])
+                rebuilt[idx] = torch.cat([p[c] for p in all_ids])
+                assert torch.equal(rebuilt, stream[c])
+            if C == 1:  # the sharder's token verbs, through the real collective
+                sharder = nat.make_mimo_te_cp_sharder(model=None, num_chunks=1, image_token_id=opts["image_token_id"],
+                                                      video_token_id=opts["video_token_id"])  # fmt: skip
+                bound = _compat.ContextParallelSharder(device_mesh=mesh, shard_batch=sharder.shard_batch,
+                                                       local_token_global_indices=None, shard_layout=None)  # fmt: skip
+                _, sharded = bound.shard(dict(batch))
+                assert_same(sharded, out)
+                back = bound.gather_token_tensor(sharded["labels"], seq_dim=0, trim=True)
+                assert torch.equal(back, batch["labels"].long())
+
+
+@pytest.mark.dist
+def test_gloo_every_rank(ncp_seed):
+    """One 4-rank gloo world (process start-up dominates the cost) covering cp = 4 and cp = 2."""
+    run_distributed(_gloo_worker, 4, ncp_seed, timeout=150)
+
+
+# =============================================================================================
+# 2. The sharder, upstream, patch()
+# =============================================================================================
+
+
+def upstream(test):
+    """Skips cleanly when nemo_automodel is not importable (checked at run time: the import is slow)."""
+
+    def run(*args, **kwargs):
+        if upstream_modules() is None:
+            pytest.skip("nemo_automodel's MiMo cp module is not importable")
+        return test(*args, **kwargs)
+
+    return pytest.mark.upstream(functools.wraps(test)(run))
+
+
+@pytest.mark.parametrize("num_chunks", [1, 2])
+def test_sharder(num_chunks, ncp_seed, monkeypatch):
+    """Unbound and rebound (§8.3) sharders, the model setup side effect (§9) and the token verbs."""
+    monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **k: "stream")  # setup needs a CUDA stream
+    g = gen(ncp_seed)
+    batch = make_mimo_batch(4, 16, num_chunks=num_chunks, cp_size=2, generator=g, image_token_id=IMG,
+                            video_token_id=VID)  # fmt: skip
+    meshes = [FakeCPMesh(2, 0), FakeCPMesh(2, 1)]
+    kw = {"num_chunks": num_chunks, "image_token_id": IMG, "video_token_id": None}
+    seen = []
+    for module in (ref, nat):
+        model = FakeMiMoModel()
+        sharder = module.make_mimo_te_cp_sharder(model=model, **kw)
+        assert type(sharder) is _compat.ContextParallelSharder
+        assert sharder.shard_batch.func is module.shard_batch_for_mimo_te
+        assert sharder.shard_batch.keywords == {"model": model, **kw}
+        assert sharder.local_token_global_indices is None and sharder.shard_layout is None
+        got = [sharder.shard(dict(batch)), sharder.shard_layout]  # no mesh: cp 1, no setup
+        assert model.calls == []
+        for mesh in meshes:
+            bound = _compat.ContextParallelSharder(device_mesh=mesh, shard_batch=sharder.shard_batch,
+                                                   local_token_global_indices=None, shard_layout=None)  # fmt: skip
+            with fake_dist(mesh):
+                got += [bound.shard(dict(batch)), bound.shard_layout, call(bound.shard_token_tensor, batch["labels"])]
+                assert module is ref or nat.fast_path_info()["path"] == "native"
+                bad = dict(batch, seq_lens_padded=torch.tensor([[6, 10]] * 4))
+                got.append(call(bound.shard, bad))  # rejected after the (cached) setup
+                got.append(call(module.shard_batch_for_mimo_te, mesh, None, dict(batch), model=FakeMiMoModel(False)))
+                assert str(got[-1][1]) == ("MiMo context parallelism requires layers.0.self_attn to expose "
+                                           "setup_cp_attention(cp_mesh).")  # fmt: skip
+        assert [m for m, _ in model.calls] == [m for m in meshes for _ in range(2)]  # once per group, 2 layers
+        seen.append(got + [model.calls])
+    for r, n in zip(*seen):
+        (assert_same_outcome if isinstance(r, tuple) and r[0] in ("ok", "err") else assert_same)(r, n)
+
+
+@upstream
+@pytest.mark.parametrize("B,C,cp", [(8, 4, 8), (4, 2, 2), (3, 1, 4), (6, 2, 1), (2, 1, 8)])
+def test_upstream_parity(B, C, cp, ncp_seed):
+    """A handful of matrix cases against upstream's own shard_batch_for_mimo_te (TE = our oracle)."""
+    print(f"upstream nemo-automodel {upstream_version()}")
+    up_cp = upstream_modules()[0]
+    g = gen(ncp_seed)
+    for kind in ({"min_doc": True, "absorption": False}, {"absorption": True}):
+        batch, opts, _ = draw_case(g, B=B, C=C, cp=cp, S=2 * cp * 3, **kind)
+        for mesh in case_meshes(cp, g):
+            with fake_dist(mesh), fake_transformer_engine():
+                up = call(up_cp.shard_batch_for_mimo_te, mesh, None, dict(batch), **opts)
+            with fake_dist(mesh):
+                mine = call(nat.shard_batch_for_mimo_te, mesh, None, dict(batch), **opts)
+            assert nat.fast_path_info()["path"] == "native" and up[0] == "ok", up
+            assert_same_outcome(up, mine)
+
+
+@upstream
+def test_patch_and_unpatch():
+    import sys
+
+    up_cp = upstream_modules()[0]
+    up_model = sys.modules.get("nemo_automodel.components.models.mimo_v2_flash.model")
+    if up_model is None:
+        import nemo_automodel.components.models.mimo_v2_flash.model as up_model
+    originals = {n: getattr(up_cp, n) for n in PATCHED_NAMES}
+    original_model_sharder = up_model.make_mimo_te_cp_sharder
+    assert original_model_sharder is originals["make_mimo_te_cp_sharder"]
+    try:
+        swapped = nemo_cp_native.patch()
+        assert {f"{up_cp.__name__}.{n}" for n in PATCHED_NAMES} <= set(swapped)
+        assert f"{up_model.__name__}.make_mimo_te_cp_sharder" in swapped
+        for n in PATCHED_NAMES:
+            assert getattr(up_cp, n) is getattr(nat, n)
+        assert up_model.make_mimo_te_cp_sharder is nat.make_mimo_te_cp_sharder
+        assert nemo_cp_native.patch() == []  # idempotent
+        sharder = up_model.make_mimo_te_cp_sharder(model=None, num_chunks=1, image_token_id=IMG, video_token_id=None)
+        assert sharder.shard_batch.func is nat.shard_batch_for_mimo_te
+    finally:
+        nemo_cp_native.unpatch()
+    for n in PATCHED_NAMES:
+        assert getattr(up_cp, n) is originals[n]
+    assert up_model.make_mimo_te_cp_sharder is original_model_sharder
+    with nemo_cp_native.patched():
+        assert up_cp.shard_batch_for_mimo_te is nat.shard_batch_for_mimo_te
+    assert up_cp.shard_batch_for_mimo_te is originals["shard_batch_for_mimo_te"]
+
+
+# =============================================================================================
+# 3. Output guards of the fused shard pass
+# =============================================================================================
+
+POISON_I64, POISON_U8 = -0x7FFF_FFFF_FFFF_FFF0, 0xA5
+GUARD = 9
+
+
+def _guarded(n, dtype, device):
+    """(buffer, output view): ``n`` poisoned elements with poisoned guard bands on both sides."""
+    if dtype == torch.bool:
+        buf = torch.full((n + 2 * GUARD,), POISON_U8, dtype=torch.uint8, device=device)
+        return buf, buf[GUARD : GUARD + n].view(torch.bool)
+    buf = torch.full((n + 2 * GUARD,), POISON_I64, dtype=torch.int64, device=device)
+    return buf, buf[GUARD : GUARD + n]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("cp,C", [(1, 1), (1, 2), (2, 1), (4, 4), (8, 2)])
+def test_shard_pass_writes_every_output_and_nothing_else(cp, C, device, ncp_seed):
+    g = gen(ncp_seed)
+    batch, _, _ = draw_case(g, B=4, C=C, cp=cp, S=2 * cp * 3, image_token_id=IMG, video_token_id=VID)
+    batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    ids, labels, pos = batch["input_ids"], batch["labels"], batch["position_ids"]
+    B, S = ids.shape
+    Tc = B // C * S
+    L = Tc // cp
+    rank = int(torch.randint(0, cp, (), generator=g))
+    lay = nat._Layout(batch["seq_lens"], batch["seq_lens_padded"], S, C, cp, -1000, ids.device)
+    sizes = {"ids": (C * L, torch.int64), "labels": (C * L, torch.int64), "pos": (C * L, torch.int64),
+             "pad": (C * L, torch.bool), "local": (C * L, torch.int64), "image": (C * Tc, torch.bool),
+             "video": (C * Tc, torch.bool)}  # fmt: skip
+    if cp == 1:
+        sizes = {k: v for k, v in sizes.items() if k not in ("ids", "labels", "pos")}
+    bufs = {k: _guarded(n, dt, device) for k, (n, dt) in sizes.items()}
+    o = {k: bufs[k][1] if k in bufs else None for k in ("ids", "labels", "pos", "pad", "local", "image", "video")}
+    _C.mimo_shard(
+        dl(ids), dl(labels), dl(pos if cp > 1 else None), dl(lay.table), dl(o["ids"]), dl(o["labels"]), dl(o["pos"]),
+        dl(o["pad"]), dl(o["local"]), dl(o["image"]), dl(o["video"]), C, cp, rank, IMG, VID, stream_of(ids.device),
+    )  # fmt: skip
+    for k, (buf, _) in bufs.items():
+        body = buf[GUARD:-GUARD]
+        poison = POISON_U8 if buf.dtype == torch.uint8 else POISON_I64
+        assert (buf[:GUARD] == poison).all() and (buf[-GUARD:] == poison).all(), f"{k}: wrote outside its output"
+        assert (body <= 1).all() if buf.dtype == torch.uint8 else (body != poison).all(), f"{k}: element not written"
+    mesh = FakeCPMesh(cp, rank)
+    with fake_dist(mesh):
+        out = nat.shard_batch_for_mimo_te(mesh, None, dict(batch), num_chunks=C, image_token_id=IMG,
+                                          video_token_id=VID)[1]  # fmt: skip
+    expect = {"local": "_mimo_thd_local_indices", "pad": "padding_mask", "image": "_mimo_global_image_mask",
+              "video": "_mimo_global_video_mask", "ids": "input_ids", "labels": "labels",
+              "pos": "position_ids"}  # fmt: skip
+    for k, key in expect.items():
+        if k in bufs:
+            assert torch.equal(bufs[k][1].cpu(), out[key].reshape(-1).to(bufs[k][1].dtype).cpu()), k
+
+
+# =============================================================================================
+# 4. CUDA
+# =============================================================================================
+
+
+def _to(obj, device, keep_cpu=()):
+    """Tensors of nested dicts/lists/tuples/ShardLayouts moved to ``device`` (keys in keep_cpu stay)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, dict):
+        return {k: v if k in keep_cpu else _to(v, device) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to(v, device) for v in obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(obj, **{f.name: _to(getattr(obj, f.name), device) for f in dataclasses.fields(obj)})
+    return obj
+
+
+def _count_syncs(fn) -> int:
+    """Synchronizing CUDA operations torch reports while ``fn()`` runs (sync debug mode "warn")."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return sum(bool(re.search(r"synchronizing CUDA operation", str(w.message))) for w in caught)
+
+
+def _check_devices(out, token_device, meta_device):
+    for key in TOKEN_OUT:
+        if isinstance(out.get(key), torch.Tensor):
+            assert out[key].device == token_device, key
+    for key in FRAMEWORK_META_OUT:
+        if isinstance(out.get(key), torch.Tensor):
+            assert out[key].device == meta_device, key
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("draw", range(6))
+def test_cuda_matches_cpu_and_oracle(draw, ncp_seed):
+    """Metadata on the GPU, then on the CPU: values equal the CPU oracle's, devices as documented."""
+    g = gen(ncp_seed)
+    batch, opts, cp = draw_case(g)
+    cuda = torch.device("cuda", torch.cuda.current_device())
+    for mesh in case_meshes(cp, g):
+        with fake_dist(mesh):
+            want = ref.shard_batch_for_mimo_te(mesh, None, dict(batch), **opts)
+            assert_same(nat.shard_batch_for_mimo_te(mesh, None, dict(batch), **opts), want)
+            for keep in ((), META):
+                got = nat.shard_batch_for_mimo_te(mesh, None, _to(batch, cuda, keep), **opts)
+                assert nat.fast_path_info()["path"] == "native", nat.fast_path_info()
+                _check_devices(got[1], cuda, torch.device("cpu") if keep else cuda)
+                assert_same(_to(got, "cpu"), want)
+                C = opts["num_chunks"]
+                local = nat._chunk_partition_indices(_to(batch, cuda, keep), cp_mesh=mesh, num_chunks=C,
+                                                     seq_lens_padding_value=-1000)  # fmt: skip
+                assert local.device == cuda and torch.equal(local.cpu(), want[1]["_mimo_thd_local_indices"])
+
+
+@pytest.mark.cuda
+def test_cuda_large_batch_matches_cpu(ncp_seed):
+    """B=8, S=32768, cp=8, 4 chunks, 16-64 documents per row: CUDA == CPU (both native)."""
+    g = gen(ncp_seed)
+    batch = make_mimo_batch(8, 32768, num_chunks=4, cp_size=8, docs_per_row=(16, 64), image_token_id=IMG,
+                            video_token_id=VID, generator=g, min_doc=True)  # fmt: skip
+    for rank in (0, 3, 7):
+        mesh = FakeCPMesh(8, rank)
+        with fake_dist(mesh):
+            kw = {"num_chunks": 4, "image_token_id": IMG, "video_token_id": VID}
+            cpu = nat.shard_batch_for_mimo_te(mesh, None, dict(batch), **kw)
+            gpu = nat.shard_batch_for_mimo_te(mesh, None, _to(batch, "cuda"), **kw)
+        assert_same(_to(gpu, "cpu"), cpu)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(
+    "where",
+    [{"labels": "cpu"}, {"position_ids": "cpu"}, {"seq_lens": "cuda"}, {"seq_lens_padded": "cpu", "seq_lens": "cpu"}],
+    ids=["labels_cpu", "positions_cpu", "seq_lens_gpu_only", "meta_cpu_tokens_gpu"],
+)
+@pytest.mark.parametrize("cp", [1, 2])
+def test_cuda_device_mixes(where, cp, ncp_seed):
+    """CPU/GPU mixes: the oracle's outcome exactly (on the reference path where the native one cannot go)."""
+    g = gen(ncp_seed)
+    batch = make_mimo_batch(4, 16, num_chunks=1, cp_size=2, generator=g, image_token_id=5)
+    base = "cpu" if where == {"seq_lens": "cuda"} else "cuda"
+    mixed = lambda: {k: v.to(where.get(k, base)) if torch.is_tensor(v) else v for k, v in batch.items()}  # noqa: E731
+    mesh = None if cp == 1 else FakeCPMesh(2, 1)
+    with fake_dist(mesh):
+        r = call(ref.shard_batch_for_mimo_te, mesh, None, mixed(), image_token_id=5)
+        n = call(nat.shard_batch_for_mimo_te, mesh, None, mixed(), image_token_id=5)
+    if "seq_lens_padded" in where:  # the supported mix: native, values of the all-CPU oracle
+        assert nat.fast_path_info()["path"] == "native"
+        with fake_dist(mesh):
+            want = ref.shard_batch_for_mimo_te(mesh, None, dict(batch), image_token_id=5)
+        assert_same(_to(n[1], "cpu"), want)
+    else:
+        assert nat.fast_path_info()["path"] == "reference"
+        assert_same_outcome(r, n)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("cp,C", [(8, 1), (8, 4), (1, 2)])
+def test_cuda_host_sync_budget(cp, C, ncp_seed):
+    """At most one synchronizing operation per call (none with seq_lens* on the CPU); the reference makes many."""
+    g = gen(ncp_seed)
+    batch, opts, _ = draw_case(g, B=8, C=C, cp=cp, S=2 * cp * 8, image_token_id=IMG, video_token_id=VID)
+    mesh = FakeCPMesh(cp, 3 % cp)
+    with fake_dist(mesh):
+        for keep, budget in (((), 1), (META, 0)):
+            batch_gpu = _to(batch, "cuda", keep)
+            nat.shard_batch_for_mimo_te(mesh, None, dict(batch_gpu), **opts)  # warm up
+            assert nat.fast_path_info()["path"] == "native"
+            one_call = lambda: nat.shard_batch_for_mimo_te(mesh, None, dict(batch_gpu), **opts)  # noqa: B023, E731
+            assert _count_syncs(one_call) <= budget
+        torch.cuda.set_sync_debug_mode("error")  # metadata on the CPU: not one sync
+        try:
+            out = nat.shard_batch_for_mimo_te(mesh, None, dict(batch_gpu), **opts)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        if cp == 8:  # the count can fail: the reference path syncs several times per chunk
+            gpu = _to(batch, "cuda")
+            assert _count_syncs(lambda: ref.shard_batch_for_mimo_te(mesh, None, dict(gpu), **opts)) >= 5 * C
+        want = ref.shard_batch_for_mimo_te(mesh, None, dict(batch), **opts)
+    assert_same(_to(out, "cpu"), want)
+
+
+@pytest.mark.cuda
+def test_cuda_call_does_not_wait_for_the_gpu(ncp_seed):
+    """With seq_lens* on the CPU the call returns while earlier GPU work is still running."""
+    g = gen(ncp_seed)
+    batch = make_mimo_batch(8, 4096, num_chunks=2, cp_size=8, docs_per_row=(4, 16), generator=g, image_token_id=IMG)
+    gpu = _to(batch, "cuda", META)
+    mesh = FakeCPMesh(8, 5)
+    with fake_dist(mesh):
+        nat.shard_batch_for_mimo_te(mesh, None, dict(gpu), num_chunks=2, image_token_id=IMG)  # warm up
+        torch.cuda.synchronize()
+        torch.cuda._sleep(2_000_000_000)  # about a second of GPU spinning, queued on the current stream
+        out = nat.shard_batch_for_mimo_te(mesh, None, dict(gpu), num_chunks=2, image_token_id=IMG)
+        still_busy = not torch.cuda.current_stream().query()
+        torch.cuda.synchronize()
+        want = ref.shard_batch_for_mimo_te(mesh, None, dict(batch), num_chunks=2, image_token_id=IMG)
+    assert still_busy, "shard_batch_for_mimo_te waited for the GPU"
+    assert_same(_to(out, "cpu"), want)
