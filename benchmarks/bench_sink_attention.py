@@ -51,7 +51,10 @@ def _flex_runner(lengths, window, hq):
             m = m & (q_idx - kv_idx < window)
         return m
 
-    block_mask = create_block_mask(mask_mod, None, None, T, T, device="cuda")
+    try:  # the compiled builder never materializes the T x T mask (128k tokens would need 128 GiB)
+        block_mask = create_block_mask(mask_mod, None, None, T, T, device="cuda", _compile=True)
+    except TypeError:
+        block_mask = create_block_mask(mask_mod, None, None, T, T, device="cuda")
     flex = torch.compile(flex_attention, dynamic=False)
 
     def run(q, k, v, sink):  # q [1, Hq, T, D]
