@@ -64,7 +64,7 @@ if want attn; then
 fi
 
 if want mimo; then
-  $PY benchmarks/bench_mimo_shard.py --device cuda --json "$OUT/bench_mimo.json" >> "$SUM" 2>&1
+  $PY benchmarks/bench_mimo_shard.py --device cuda ${MIMO_ARGS:-} --json "$OUT/bench_mimo.json" >> "$SUM" 2>&1
   note "bench_mimo_shard exit $?"
 fi
 
