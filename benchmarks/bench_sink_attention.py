@@ -51,10 +51,10 @@ def _flex_runner(lengths, window, hq):
             m = m & (q_idx - kv_idx < window)
         return m
 
-    try:  # the compiled builder never materializes the T x T mask (128k tokens would need 128 GiB)
-        block_mask = create_block_mask(mask_mod, None, None, T, T, device="cuda", _compile=True)
-    except TypeError:
+    if T <= 65536:  # the eager builder materializes the T x T mask: fine up to 64k tokens
         block_mask = create_block_mask(mask_mod, None, None, T, T, device="cuda")
+    else:  # compiled builder (avoids the T x T mask; on torch 2.11 it still fails for some masks)
+        block_mask = create_block_mask(mask_mod, None, None, T, T, device="cuda", _compile=True)
     flex = torch.compile(flex_attention, dynamic=False)
 
     def run(q, k, v, sink):  # q [1, Hq, T, D]
