@@ -1,0 +1,61 @@
+"""Mechanical rules on csrc/ (STYLE.md item 15): no exit/abort, every kernel launch checked, every
+exported C symbol prefixed ncp_, files within size limits, a header comment on every source file."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+import pytest
+
+CSRC = pathlib.Path(__file__).resolve().parent.parent / "csrc"
+SOURCES = sorted(p for p in CSRC.rglob("*") if p.suffix in (".c", ".h", ".cu", ".cuh"))
+
+
+def _code(path: pathlib.Path) -> str:
+    """Source without comments and string literals."""
+    text = path.read_text()
+    text = re.sub(r"/\*.*?\*/", lambda m: "\n" * m.group(0).count("\n"), text, flags=re.S)
+    text = re.sub(r"//[^\n]*", "", text)
+    return re.sub(r'"(?:\\.|[^"\\])*"', '""', text)
+
+
+def test_there_are_sources():
+    assert len(SOURCES) >= 15
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(CSRC)))
+def test_no_exit_or_abort(path):
+    assert not re.search(r"\b(exit|abort|_Exit|quick_exit)\s*\(", _code(path)), f"{path} calls exit/abort"
+
+
+@pytest.mark.parametrize("path", [p for p in SOURCES if p.suffix == ".cu"], ids=lambda p: p.name)
+def test_every_launch_is_checked(path):
+    lines = _code(path).splitlines()
+    for i, line in enumerate(lines):
+        if "<<<" in line:
+            after = "\n".join(lines[i : i + 4])
+            assert "NCP_CUDA_CHECK(cudaGetLastError())" in after, f"{path.name}:{i + 1}: unchecked launch"
+
+
+def _exported_functions(path):
+    code = _code(path)
+    if path.suffix == ".cu":  # only extern "C" definitions leave a .cu file
+        return re.findall(r'extern\s+""\s+\w+\s+\*?\s*(\w+)\s*\(', code)
+    names = []
+    for m in re.finditer(r"^(?!static\b)(?:[A-Za-z_][\w \*]*?)\b(\w+)\s*\([^;{]*\)\s*\{", code, flags=re.M):
+        names.append(m.group(1))
+    return names
+
+
+@pytest.mark.parametrize("path", [p for p in SOURCES if p.suffix in (".c", ".cu")], ids=lambda p: p.name)
+def test_exported_symbols_are_prefixed(path):
+    for name in _exported_functions(path):
+        assert name.startswith("ncp_") or name == "PyInit__C", f"{path.name}: exported symbol {name!r} lacks ncp_"
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(CSRC)))
+def test_size_and_header_comment(path):
+    text = path.read_text()
+    assert text.lstrip().startswith("/*"), f"{path} has no header comment"
+    assert len(text.splitlines()) <= 800, f"{path} is longer than 800 lines"
