@@ -41,6 +41,8 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [_HERE, os.path.dirname(_HERE)]  # common.py, and the package when run from a checkout
 from common import env_record, print_table, time_cpu, time_cuda, write_json  # noqa: E402
 
+from nemo_cp_native.testing import count_syncs as _count_syncs  # noqa: E402
+
 from nemo_cp_native import _C  # noqa: E402
 from nemo_cp_native import mimo as nat  # noqa: E402
 from nemo_cp_native._ops import dl, stream_of  # noqa: E402
@@ -112,16 +114,6 @@ def _same(a, b, path="out"):
         assert a is b or a == b, f"{path}: {a!r} != {b!r}"
 
 
-def _count_syncs(fn) -> int:
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-    return sum(bool(re.search(r"synchronizing CUDA operation", str(w.message))) for w in caught)
 
 
 def _cpu(obj):

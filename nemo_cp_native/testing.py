@@ -187,3 +187,26 @@ def random_case(rng: torch.Generator | None = None, max_units: int = 8) -> tuple
     num_chunks = chunk_choices[_randint(0, len(chunk_choices) - 1, rng)]
     cp = _MATRIX_CP[_randint(0, len(_MATRIX_CP) - 1, rng)]
     return B, 2 * cp * _randint(1, max_units, rng), num_chunks, cp
+
+
+# ==========================================================================================
+# CUDA host-sync counting (tests and benchmarks)
+# ==========================================================================================
+
+
+def count_syncs(fn) -> int:
+    """Synchronizing CUDA operations torch reports while ``fn()`` runs (sync debug mode "warn").
+
+    Only syncs made through torch are seen; the sync debug mode is restored to 0 afterwards."""
+    import re
+    import warnings
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return sum(bool(re.search(r"synchronizing CUDA operation", str(w.message))) for w in caught)

@@ -23,6 +23,8 @@ import warnings
 
 import pytest
 import torch
+
+from nemo_cp_native.testing import count_syncs as _count_syncs
 from _mesh import FakeCPMesh, fake_dist, run_distributed
 from _upstream import (
     FakeMiMoModel,
@@ -284,17 +286,6 @@ def _to(obj, device, keep_cpu=()):
     return obj
 
 
-def _count_syncs(fn) -> int:
-    """Synchronizing CUDA operations torch reports while ``fn()`` runs (sync debug mode "warn")."""
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-    return sum(bool(re.search(r"synchronizing CUDA operation", str(w.message))) for w in caught)
 
 
 def _check_devices(out, token_device, meta_device):

@@ -18,6 +18,8 @@ import warnings
 
 import pytest
 import torch
+
+from nemo_cp_native.testing import count_syncs as _count_syncs
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -256,17 +258,6 @@ def test_property_matches_oracle_and_partitions(units, cp, extra, garbage):
 # =============================================================================================
 
 
-def _count_syncs(fn) -> int:
-    """Synchronizing CUDA operations torch reports while ``fn()`` runs (sync debug mode "warn")."""
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-    return sum(bool(re.search(r"synchronizing CUDA operation", str(w.message))) for w in caught)
 
 
 @pytest.mark.cuda
