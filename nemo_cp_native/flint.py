@@ -29,7 +29,7 @@ from torch import Tensor
 
 from . import _compat
 from ._ops import _C, dl
-from .attention import AttnMask, attn_backward, attn_forward
+from .attention import AttnMask, SinkAttnFunc, attn_backward, attn_forward
 
 logger = logging.getLogger(__name__)
 
@@ -219,27 +219,10 @@ class FlintMagiPlan:
         if mkey.cp_size > 1 and not isinstance(mkey.group, dist.ProcessGroup):
             raise ValueError("this plan was built for simulated ranks; run it with simulate_cp_attention")
         q, k, v = (t.contiguous() for t in (query, key, value))
-        if mkey.cp_size == 1:
+        if mkey.cp_size == 1:  # no exchange: the same positions-mode kernels through SinkAttnFunc
             mask = mkey.device_tables(q.device)["mask"]
-            return _FlintLocalAttention.apply(q, k, v, sink, mask, float(scale))
+            return SinkAttnFunc.apply(q, k, v, sink, mask, float(scale))[0]
         return _FlintCPAttention.apply(q, k, v, sink, mkey, float(scale))
-
-
-class _FlintLocalAttention(torch.autograd.Function):
-    """cp_size == 1: no exchange, the same positions-mode kernels."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, sink, mask, scale):
-        out, lse = attn_forward(q, k, v, sink, mask, scale)
-        ctx.save_for_backward(q, k, v, out, lse, sink)
-        ctx.mask, ctx.scale = mask, scale
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse, sink = ctx.saved_tensors
-        dq, dk, dv, dsink = attn_backward(dout, q, k, v, sink, out, lse, ctx.mask, ctx.scale)
-        return dq, dk, dv, dsink, None, None
 
 
 def _check_local(mkey: MagiAttentionKey, q: Tensor, k: Tensor, v: Tensor, sink: Tensor) -> None:
