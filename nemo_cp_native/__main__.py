@@ -170,6 +170,9 @@ def demo(device: str, quick: bool) -> int:
     print(f"{'-' * w}-|--------|-----------|--------------|--------")
     for name, ok, t_nat, t_ref in rows:
         print(f"{name.ljust(w)} | {'ok' if ok else 'FAIL':6} | {t_nat:9.3f} | {t_ref:12.3f} | {t_ref / t_nat:6.1f}x")
+    if dev.type == "cpu":
+        print("\n(CPU: the attention and Flint rows run the C double-precision path, the CPU backend and second oracle;"
+              "\n the speed of these ops is the CUDA kernels' business: run this on a GPU.)")  # fmt: skip
     bad = [r[0] for r in rows if not r[1]]
     print("\nall parity checks passed" if not bad else f"\nPARITY FAILED: {bad}")
     return 1 if bad else 0

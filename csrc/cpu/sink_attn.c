@@ -11,8 +11,9 @@
  * Masks: contiguous mode (q_pos == NULL): V(i) = [max(doc_start(i), i - window + 1), i];
  * positions mode: V(i) = { j : q_lo[i] <= k_pos[j] <= q_pos[i] } with k_pos non-decreasing.
  *
- * Plain loops, every sum in double: any of f16/bf16/f32/f64 in, the same dtype out, lse in fp32.
- * The backward recomputes the softmax statistics in double (lse input is validated, not trusted).
+ * Plain loops, every sum in double: any of f16/bf16/f32/f64 in (converted once to contiguous double
+ * arrays), the same dtype out, lse in fp32. The backward recomputes the softmax statistics in double
+ * (the lse input is validated, not trusted).
  * Tests: tests/test_sink_attention.py (CPU cases, gradcheck in fp64).
  */
 #include <inttypes.h>
@@ -193,21 +194,63 @@ static void key_range(const ncp_sink_attn_params *p, int32_t i, int32_t *doc, in
     if (*j1 < *j0) *j1 = *j0;
 }
 
+/* The tensors as contiguous double arrays [T][H][D], converted once (the loops below then run on
+ * plain doubles instead of converting every element at every use). */
+typedef struct {
+    double *q, *k, *v, *o, *dout; /* q, o, dout: (Tq, Hq, D); k, v: (Tk, Hkv, D) */
+    double sink[4096];
+} dense;
+
+static double *to_double(const void *src, ncp_dtype dt, int32_t T, int32_t H, int32_t D, int64_t st, int64_t sh) {
+    double *out = (double *)malloc(((size_t)T * H * D + 1) * sizeof(double));
+    if (out == NULL) return NULL;
+    for (int32_t t = 0; t < T; ++t)
+        for (int32_t h = 0; h < H; ++h)
+            for (int32_t d = 0; d < D; ++d) out[((size_t)t * H + h) * D + d] = load(src, dt, (int64_t)t * st + (int64_t)h * sh + d);
+    return out;
+}
+
+static void dense_free(dense *x) {
+    free(x->q);
+    free(x->k);
+    free(x->v);
+    free(x->o);
+    free(x->dout);
+}
+
+/* q, k, v (and out, dout for the backward) as doubles; NCP_ERR_NOMEM on failure. */
+static ncp_status dense_init(dense *x, const ncp_sink_attn_params *p, const ncp_sink_attn_bwd_params *b) {
+    memset(x, 0, sizeof *x);
+    x->q = to_double(p->q, p->dtype, p->Tq, p->Hq, p->D, p->q_st, p->q_sh);
+    x->k = to_double(p->k, p->dtype, p->Tk, p->Hkv, p->D, p->k_st, p->k_sh);
+    x->v = to_double(p->v, p->dtype, p->Tk, p->Hkv, p->D, p->v_st, p->v_sh);
+    int ok = x->q && x->k && x->v;
+    if (b != NULL) {
+        x->o = to_double(p->out, p->dtype, p->Tq, p->Hq, p->D, p->o_st, p->o_sh);
+        x->dout = to_double(b->dout, p->dtype, p->Tq, p->Hq, p->D, b->do_st, b->do_sh);
+        ok = ok && x->o && x->dout;
+    }
+    for (int32_t h = 0; p->sink != NULL && h < p->Hq; ++h) x->sink[h] = load(p->sink, p->sink_dt, h);
+    if (ok) return NCP_OK;
+    dense_free(x);
+    NCP_FAIL(NCP_ERR_NOMEM, "out of host memory in sink_attention");
+}
+
 /* Scores of row (i, h) over keys [j0, j1) into z; returns lse (or -inf without sink and keys). */
-static double row_scores(const ncp_sink_attn_params *p, int32_t i, int32_t h, int32_t j0, int32_t j1, double *z,
-                         double *qrow) {
+static double row_scores(const ncp_sink_attn_params *p, const dense *x, int32_t i, int32_t h, int32_t j0, int32_t j1,
+                         double *z) {
     const int32_t g = h / (p->Hq / p->Hkv), D = p->D;
-    for (int32_t d = 0; d < D; ++d) qrow[d] = load(p->q, p->dtype, (int64_t)i * p->q_st + (int64_t)h * p->q_sh + d);
-    double m = p->sink ? load(p->sink, p->sink_dt, h) : -INFINITY;
+    const double *qrow = x->q + ((size_t)i * p->Hq + h) * D;
+    double m = p->sink ? x->sink[h] : -INFINITY;
     for (int32_t j = j0; j < j1; ++j) {
-        const int64_t kb = (int64_t)j * p->k_st + (int64_t)g * p->k_sh;
+        const double *krow = x->k + ((size_t)j * p->Hkv + g) * D;
         double acc = 0.0;
-        for (int32_t d = 0; d < D; ++d) acc += qrow[d] * load(p->k, p->dtype, kb + d);
+        for (int32_t d = 0; d < D; ++d) acc += qrow[d] * krow[d];
         z[j - j0] = acc * p->scale;
         if (z[j - j0] > m) m = z[j - j0];
     }
     if (m == -INFINITY) return -INFINITY;
-    double l = p->sink ? exp(load(p->sink, p->sink_dt, h) - m) : 0.0;
+    double l = p->sink ? exp(x->sink[h] - m) : 0.0;
     for (int32_t j = j0; j < j1; ++j) l += exp(z[j - j0] - m);
     return m + log(l);
 }
@@ -219,26 +262,29 @@ static double row_scores(const ncp_sink_attn_params *p, int32_t i, int32_t h, in
 ncp_status ncp_sink_attn_fwd_cpu(const ncp_sink_attn_params *p) {
     NCP_TRY(ncp_sink_attn_check(p, 0));
     NCP_TRY(check_mask_host(p));
+    NCP_ARG_CHECK(p->Hq <= 4096, "at most 4096 query heads on the CPU; got %" PRId32, p->Hq);
     const int32_t D = p->D, G = p->Hq / p->Hkv;
+    dense x;
+    NCP_TRY(dense_init(&x, p, NULL));
     double *z = (double *)malloc(((size_t)p->Tk + 1) * sizeof(double));
-    double *acc = (double *)malloc((size_t)D * 2 * sizeof(double));
+    double *acc = (double *)malloc((size_t)D * sizeof(double));
     if (z == NULL || acc == NULL) {
         free(z);
         free(acc);
+        dense_free(&x);
         NCP_FAIL(NCP_ERR_NOMEM, "out of host memory in sink_attention");
     }
-    double *qrow = acc + D;
     int32_t doc = 0;
     for (int32_t i = 0; i < p->Tq; ++i) {
         int32_t j0, j1;
         key_range(p, i, &doc, &j0, &j1);
         for (int32_t h = 0; h < p->Hq; ++h) {
-            const double lse = row_scores(p, i, h, j0, j1, z, qrow);
+            const double lse = row_scores(p, &x, i, h, j0, j1, z);
             memset(acc, 0, (size_t)D * sizeof(double));
             for (int32_t j = j0; lse != -INFINITY && j < j1; ++j) {
                 const double w = exp(z[j - j0] - lse);
-                const int64_t vb = (int64_t)j * p->v_st + (int64_t)(h / G) * p->v_sh;
-                for (int32_t d = 0; d < D; ++d) acc[d] += w * load(p->v, p->dtype, vb + d);
+                const double *vrow = x.v + ((size_t)j * p->Hkv + h / G) * D;
+                for (int32_t d = 0; d < D; ++d) acc[d] += w * vrow[d];
             }
             const int64_t ob = (int64_t)i * p->o_st + (int64_t)h * p->o_sh;
             for (int32_t d = 0; d < D; ++d) store(p->out, p->dtype, ob + d, acc[d]);
@@ -247,6 +293,7 @@ ncp_status ncp_sink_attn_fwd_cpu(const ncp_sink_attn_params *p) {
     }
     free(z);
     free(acc);
+    dense_free(&x);
     return NCP_OK;
 }
 
@@ -254,29 +301,29 @@ ncp_status ncp_sink_attn_fwd_cpu(const ncp_sink_attn_params *p) {
 /* backward                                                                                  */
 /* ---------------------------------------------------------------------------------------- */
 
-/* One (query, head) row of the backward: accumulates dk/dv (double) and returns D_i. */
-static double bwd_row(const ncp_sink_attn_bwd_params *b, int32_t i, int32_t h, int32_t j0, int32_t j1, double *z,
-                      double *work, double *dk_acc, double *dv_acc) {
+/* One (query, head) row of the backward: accumulates dk/dv (double) and returns its dsink term. */
+static double bwd_row(const ncp_sink_attn_bwd_params *b, const dense *x, int32_t i, int32_t h, int32_t j0, int32_t j1,
+                      double *z, double *dqrow, double *dk_acc, double *dv_acc) {
     const ncp_sink_attn_params *p = &b->f;
     const int32_t D = p->D, g = h / (p->Hq / p->Hkv);
-    double *qrow = work, *dorow = work + D, *dqrow = work + 2 * D;
-    const double lse = row_scores(p, i, h, j0, j1, z, qrow);
-    const int64_t ob = (int64_t)i * p->o_st + (int64_t)h * p->o_sh, db = (int64_t)i * b->do_st + (int64_t)h * b->do_sh;
+    const double lse = row_scores(p, x, i, h, j0, j1, z);
+    const size_t rb = ((size_t)i * p->Hq + h) * D;
+    const double *qrow = x->q + rb, *orow = x->o + rb, *dorow = x->dout + rb;
     double delta = 0.0;
     for (int32_t d = 0; d < D; ++d) {
-        dorow[d] = load(b->dout, p->dtype, db + d);
-        delta += dorow[d] * load(p->out, p->dtype, ob + d);
+        delta += dorow[d] * orow[d];
         dqrow[d] = 0.0;
     }
     for (int32_t j = j0; lse != -INFINITY && j < j1; ++j) {
         const double P = exp(z[j - j0] - lse);
-        const int64_t kb = (int64_t)j * p->k_st + (int64_t)g * p->k_sh, vb = (int64_t)j * p->v_st + (int64_t)g * p->v_sh;
+        const size_t kb = ((size_t)j * p->Hkv + g) * D;
+        const double *krow = x->k + kb, *vrow = x->v + kb;
         double dp = 0.0;
-        for (int32_t d = 0; d < D; ++d) dp += dorow[d] * load(p->v, p->dtype, vb + d);
+        for (int32_t d = 0; d < D; ++d) dp += dorow[d] * vrow[d];
         const double dz = P * (dp - delta) * p->scale;
-        double *dkj = dk_acc + ((int64_t)j * p->Hkv + g) * D, *dvj = dv_acc + ((int64_t)j * p->Hkv + g) * D;
+        double *dkj = dk_acc + kb, *dvj = dv_acc + kb;
         for (int32_t d = 0; d < D; ++d) {
-            dqrow[d] += dz * load(p->k, p->dtype, kb + d);
+            dqrow[d] += dz * krow[d];
             dkj[d] += dz * qrow[d];
             dvj[d] += P * dorow[d];
         }
@@ -284,22 +331,25 @@ static double bwd_row(const ncp_sink_attn_bwd_params *b, int32_t i, int32_t h, i
     const int64_t qb = (int64_t)i * b->dq_st + (int64_t)h * b->dq_sh;
     for (int32_t d = 0; d < D; ++d) store(b->dq, p->dtype, qb + d, dqrow[d]);
     if (b->delta != NULL) b->delta[(int64_t)h * p->Tq + i] = (float)delta;
-    return p->sink && lse != -INFINITY ? -exp(load(p->sink, p->sink_dt, h) - lse) * delta : 0.0;
+    return p->sink && lse != -INFINITY ? -exp(x->sink[h] - lse) * delta : 0.0;
 }
 
 ncp_status ncp_sink_attn_bwd_cpu(const ncp_sink_attn_bwd_params *b) {
     NCP_TRY(ncp_sink_attn_bwd_check(b, 0));
     const ncp_sink_attn_params *p = &b->f;
     NCP_TRY(check_mask_host(p));
+    NCP_ARG_CHECK(p->Hq <= 4096, "at most 4096 query heads on the CPU; got %" PRId32, p->Hq);
     const int32_t D = p->D, Hkv = p->Hkv;
     const size_t kv_elems = (size_t)p->Tk * (size_t)Hkv * (size_t)D;
+    dense x;
+    NCP_TRY(dense_init(&x, p, b));
     double *z = (double *)malloc(((size_t)p->Tk + 1) * sizeof(double));
-    double *work = (double *)malloc((size_t)D * 3 * sizeof(double));
+    double *dqrow = (double *)malloc(((size_t)D + 1) * sizeof(double));
     double *dk_acc = (double *)calloc(kv_elems + 1, sizeof(double));
     double *dv_acc = (double *)calloc(kv_elems + 1, sizeof(double));
     double *ds = (double *)calloc((size_t)p->Hq, sizeof(double));
     ncp_status st = NCP_OK;
-    if (!z || !work || !dk_acc || !dv_acc || !ds) {
+    if (!z || !dqrow || !dk_acc || !dv_acc || !ds) {
         st = ncp_set_error(NCP_ERR_NOMEM, NULL, 0, NULL, NULL, "out of host memory in sink_attention backward");
         goto done;
     }
@@ -307,7 +357,7 @@ ncp_status ncp_sink_attn_bwd_cpu(const ncp_sink_attn_bwd_params *b) {
     for (int32_t i = 0; i < p->Tq; ++i) {
         int32_t j0, j1;
         key_range(p, i, &doc, &j0, &j1);
-        for (int32_t h = 0; h < p->Hq; ++h) ds[h] += bwd_row(b, i, h, j0, j1, z, work, dk_acc, dv_acc);
+        for (int32_t h = 0; h < p->Hq; ++h) ds[h] += bwd_row(b, &x, i, h, j0, j1, z, dqrow, dk_acc, dv_acc);
     }
     for (int32_t j = 0; j < p->Tk; ++j)
         for (int32_t g = 0; g < Hkv; ++g)
@@ -320,9 +370,10 @@ ncp_status ncp_sink_attn_bwd_cpu(const ncp_sink_attn_bwd_params *b) {
         for (int32_t h = 0; h < p->Hq; ++h) store(b->dsink, p->sink_dt, h, ds[h]);
 done:
     free(z);
-    free(work);
+    free(dqrow);
     free(dk_acc);
     free(dv_acc);
     free(ds);
+    dense_free(&x);
     return st;
 }
