@@ -20,12 +20,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import env_record, print_table, time_cuda, write_json  # noqa: E402
 
-CASES = {
-    "flint-8k-causal": (65536, 8192, 32, 4, 128, 0),
-    "flint-8k-w513": (65536, 8192, 32, 4, 128, 513),
-    "flint-2k-w513": (65536, 2048, 32, 4, 128, 513),
-    "gptoss-8k-w128": (65536, 8192, 64, 8, 64, 128),
-}
+from bench_sink_attention import CASES as _ALL_CASES  # noqa: E402
+
+CASES = {name: _ALL_CASES[name] for name in ("flint-8k-causal", "flint-8k-w513", "flint-2k-w513", "gptoss-8k-w128")}
 
 
 def _case(spec):
