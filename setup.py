@@ -103,6 +103,8 @@ class NcpBuildExt(build_ext):
                  "-Icsrc/include", "-Icsrc/core"]
         flags += ["-O0", "-G", "-DNCP_DEBUG=1"] if debug else ["-O3", "-DNDEBUG"]
         flags += _gencode(archs)
+        if "90a" in [a.strip() for a in archs.split(";")]:
+            flags.append("-DNCP_SM90A_BUILD=1")  # the Hopper (wgmma/TMA) kernels exist in this build
         verbose = _env_flag("NCP_PTXAS_VERBOSE")
         version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
         version = "\n".join(line for line in version.splitlines() if "release" in line or "Build" in line)

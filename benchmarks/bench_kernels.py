@@ -1,6 +1,6 @@
 """Kernel-level view of sink attention: forward layout variants and the backward's kernels.
 
-- Each forward layout (NCP_FWD_VARIANT 1/2/3, read once per process) in its own subprocess, on
+- Each forward kernel (NCP_FWD_VARIANT 1/2/3 portable, 4 Hopper) in its own subprocess, on
   the Flint and gpt-oss shapes, TFLOP/s with the exact visible-pair FLOP count.
 - torch.profiler breakdown of one forward + backward: time per kernel (pre-pass, dK/dV, dQ, ...).
 
@@ -88,7 +88,7 @@ def main(argv=None):
         child(args.child.split(","))
         return 0
     rows = []
-    for variant in ("1", "2", "3"):
+    for variant in ("1", "2", "3", "4"):
         env = dict(os.environ, NCP_FWD_VARIANT=variant)
         res = subprocess.run([sys.executable, __file__, "--child", ",".join(CASES)], env=env, capture_output=True,
                              text=True)  # fmt: skip

@@ -88,7 +88,17 @@ def bench_case(name, spec, *, flex: bool, reps: int) -> list[dict]:
 
     # ---- ours (with and without sink) ---------------------------------------------------
     leaves = [t.detach().requires_grad_() for t in (q, k, v, sink)]
-    for impl, s in (("ncp", leaves[3]), ("ncp-nosink", None)):
+    from nemo_cp_native._ops import _C
+
+    kernel = {4: "sm90 wgmma+TMA fwd"}.get(_C.sink_attn_fwd_variant(), f"mma.sync fwd v{_C.sink_attn_fwd_variant()}")
+    impls = [("ncp", leaves[3], None, kernel), ("ncp-nosink", None, None, kernel)]
+    if _C.sink_attn_fwd_variant() == 4:  # the portable kernel on the same card, for comparison
+        impls.append(("ncp-portable", leaves[3], "3", "mma.sync fwd v3"))
+    for impl, s, variant, note in impls:
+        saved = os.environ.get("NCP_FWD_VARIANT")
+        if variant:
+            os.environ["NCP_FWD_VARIANT"] = variant
+
         def fwd(s=s):
             with torch.no_grad():
                 return ncp.sink_attention(leaves[0], leaves[1], leaves[2], s, cu, window=window, validate=False)
@@ -97,7 +107,13 @@ def bench_case(name, spec, *, flex: bool, reps: int) -> list[dict]:
             out = ncp.sink_attention(leaves[0], leaves[1], leaves[2], s, cu, window=window, validate=False)
             out.backward(dout)
 
-        record(impl, time_cuda(fwd, reps=reps), time_cuda(fwdbwd, reps=max(3, reps // 2)))
+        try:
+            record(impl, time_cuda(fwd, reps=reps), time_cuda(fwdbwd, reps=max(3, reps // 2)), note)
+        finally:
+            if variant:
+                os.environ.pop("NCP_FWD_VARIANT", None)
+                if saved is not None:
+                    os.environ["NCP_FWD_VARIANT"] = saved
     ref_out = ncp.sink_attention(q, k, v, sink, cu, window=window)
 
     # ---- FlexAttention + sink correction -------------------------------------------------

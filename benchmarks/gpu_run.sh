@@ -5,7 +5,8 @@
 #   summary.txt (headlines + every benchmark's printed table)  sass.txt
 #
 #   OUT=/tmp/out NCP_COMMIT=<sha> bash benchmarks/gpu_run.sh [stage ...]
-# stages: build test sanitize kernels attn mimo flint all (default: all). Each stage appends its
+# stages: build test sanitize kernels attn mimo flint all (default: all). Test, sanitizer and
+# attention stages run under `timeout` (TEST_TIMEOUT, SAN_TIMEOUT, ATTN_TIMEOUT seconds). Each stage appends its
 # headline to summary.txt; a failing stage is reported and the next one still runs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -40,14 +41,14 @@ if want build || [ ! -e nemo_cp_native/_C*.so ] || ! ls nemo_cp_native/_C*cpytho
 fi
 
 if want test; then
-  $PY -m pytest -q -p no:cacheprovider -m cuda tests/ -rs --continue-on-collection-errors ${PYTEST_ARGS:-} > "$OUT/pytest.log" 2>&1
+  timeout ${TEST_TIMEOUT:-420} $PY -m pytest -q -p no:cacheprovider -m cuda tests/ -rs --continue-on-collection-errors ${PYTEST_ARGS:-} > "$OUT/pytest.log" 2>&1
   note "cuda tests: $(tail -1 "$OUT/pytest.log")"
 fi
 
 if want sanitize; then
   : > "$OUT/sanitizer.log"
   for tool in ${SAN_TOOLS:-memcheck racecheck synccheck initcheck}; do
-    compute-sanitizer --tool $tool --kernel-regex kns=ncp --error-exitcode 99 $PY benchmarks/sanitize_kernels.py \
+    timeout ${SAN_TIMEOUT:-300} compute-sanitizer --tool $tool --kernel-regex kns=ncp --error-exitcode 99 $PY benchmarks/sanitize_kernels.py ${SAN_PARTS:-} \
       >> "$OUT/sanitizer.log" 2>&1
     note "compute-sanitizer $tool: exit $? ($(grep -c 'ERROR SUMMARY: 0 errors' "$OUT/sanitizer.log") clean summaries so far)"
   done
@@ -59,7 +60,7 @@ if want kernels; then
 fi
 
 if want attn; then
-  $PY benchmarks/bench_sink_attention.py ${ATTN_ARGS:-} --json "$OUT/bench_attn.json" >> "$SUM" 2>&1
+  timeout ${ATTN_TIMEOUT:-500} $PY benchmarks/bench_sink_attention.py ${ATTN_ARGS:-} --json "$OUT/bench_attn.json" >> "$SUM" 2>&1
   note "bench_sink_attention exit $?"
 fi
 

@@ -23,6 +23,25 @@ pytestmark = pytest.mark.cuda
 DEV = "cuda"
 
 
+@pytest.fixture(params=["auto", "portable"])
+def fwd_kernel(request, monkeypatch):
+    """Runs a test on the default forward kernel (the Hopper one on an H200) and on the portable
+    mma.sync kernel (NCP_FWD_VARIANT is read at each call)."""
+    if request.param == "portable":
+        monkeypatch.setenv("NCP_FWD_VARIANT", "3")
+    else:
+        monkeypatch.delenv("NCP_FWD_VARIANT", raising=False)
+    return request.param
+
+
+def test_cuda_hopper_forward_is_selected_on_sm90():
+    """On compute capability 9.0 with an sm_90a build the default forward is the wgmma/TMA kernel,
+    so the suite does not silently test only the fallback."""
+    if torch.cuda.get_device_capability() != (9, 0) or "90a" not in ncp.build_info()["cuda_archs"].split(";"):
+        pytest.skip("needs an sm_90a build on a compute capability 9.0 device")
+    assert _C.sink_attn_fwd_variant() == 4
+
+
 def _grads(out, tensors, dout):
     return torch.autograd.grad(out, tensors, dout, allow_unused=False)
 
@@ -70,13 +89,13 @@ CASES = [
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-T{c[1]}-{c[2]}x{c[3]}-d{c[4]}-w{c[5]}" for c in CASES])
-def test_cuda_matches_oracle(case, dtype, ncp_seed):
+def test_cuda_matches_oracle(case, dtype, ncp_seed, fwd_kernel):
     mode, total, hq, hkv, d, window = case
     lengths = doc_lengths(total, mode, window=window, generator=torch.Generator().manual_seed(ncp_seed))
     _check_case(lengths, hq, hkv, d, window, dtype, ncp_seed)
 
 
-def test_cuda_no_sink_and_length_one_documents(ncp_seed):
+def test_cuda_no_sink_and_length_one_documents(ncp_seed, fwd_kernel):
     _check_case([1, 1, 5, 1, 200, 1, 64, 1], 4, 1, 64, 0, torch.bfloat16, ncp_seed, sink=False)
     _check_case([1, 1, 5, 1, 200, 1, 64, 1], 4, 1, 64, 3, torch.bfloat16, ncp_seed, sink=True)
 
@@ -91,7 +110,7 @@ def _guarded(shape, dtype, fill, pad=4096):
     return buf, buf[pad : pad + n].view(shape), pad
 
 
-def test_cuda_poisoned_outputs_and_guards(ncp_seed):
+def test_cuda_poisoned_outputs_and_guards(ncp_seed, fwd_kernel):
     g = torch.Generator().manual_seed(ncp_seed)
     lengths = doc_lengths(1300, "random", generator=g)
     c = make_attention_case(lengths, 8, 2, 128, device=DEV, generator=g)
@@ -115,6 +134,24 @@ def test_cuda_poisoned_outputs_and_guards(ncp_seed):
     for b, t, p in bufs + [(sb, dsink, pad)]:
         assert not t.isnan().any(), "an output element was never written"
         assert bool((b[:p] == 7).all()) and bool((b[-p:] == 7).all()), "a guard band was overwritten"
+
+
+@pytest.mark.parametrize("d,window", [(128, 0), (64, 513)])
+def test_cuda_strided_views_of_packed_qkv(d, window, ncp_seed, fwd_kernel):
+    """q, k, v as views of one packed (T, Hq + 2 Hkv, D) tensor: token strides differ from the
+    head count (the TMA tensor maps take strides, not shapes)."""
+    g = torch.Generator().manual_seed(ncp_seed)
+    lengths = doc_lengths(1500, "random", generator=g)
+    T, hq, hkv = sum(lengths), 8, 2
+    qkv = torch.randn(T, hq + 2 * hkv, d, generator=g).to(DEV, torch.bfloat16)
+    q, k, v = qkv[:, :hq], qkv[:, hq : hq + hkv], qkv[:, hq + hkv :]
+    sink = (torch.rand(hq, generator=g) * 8 - 4).to(DEV)
+    cu = torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0).to(DEV, torch.int32)
+    out, lse = ncp.sink_attention(q, k, v, sink, cu, window=window, return_lse=True)
+    ref, ref_lse = attention_ref(q.double(), k.double(), v.double(), sink, cu, window=window)
+    lp, lp_lse = attention_ref(q, k, v, sink, cu, window=window, upcast=False)
+    assert_close_to_ref(out, ref, lp, name="out")
+    assert_close_to_ref_ulp(lse, ref_lse, lp_lse.double(), name="lse", magnitude_floor=1.0)
 
 
 def test_cuda_backward_is_deterministic(ncp_seed):
@@ -145,7 +182,7 @@ def test_cuda_matches_cpu_c_path(ncp_seed):
 
 
 @pytest.mark.parametrize("cp,window,chunk", [(2, 0, 512), (4, 513, 512), (4, 100, 64), (8, 0, 128)])
-def test_cuda_simulated_cp_matches_whole_sequence(cp, window, chunk, ncp_seed):
+def test_cuda_simulated_cp_matches_whole_sequence(cp, window, chunk, ncp_seed, fwd_kernel):
     from types import SimpleNamespace
 
     g = torch.Generator().manual_seed(ncp_seed)

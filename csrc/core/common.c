@@ -31,3 +31,7 @@ int ncp_built_with_cuda(void) {
 const char *ncp_cuda_archs(void) { return NCP_CUDA_ARCHS_STR; }
 
 int32_t ncp_sink_attn_bwd_n_part(int32_t Tq) { return Tq <= 0 ? 1 : (Tq + NCP_BWD_PRE_ROWS - 1) / NCP_BWD_PRE_ROWS; }
+
+#ifndef NCP_WITH_CUDA
+int ncp_sink_attn_fwd_variant(void) { return 0; }
+#endif

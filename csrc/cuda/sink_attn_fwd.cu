@@ -25,6 +25,7 @@
 #include "ncp/ncp_check.h"
 #include "ncp_internal.h"
 #include "sink_attn_common.cuh"
+#include "sm90_common.cuh"
 
 namespace ncp {
 namespace {
@@ -282,21 +283,18 @@ ncp_status launch(const ncp_sink_attn_params &p, cudaStream_t stream) {
 
 /* Kernel layout (NCP_FWD_VARIANT, read once): 1 = 8 warps x 16 rows, Q in registers;
  * 2 = 4 warps x 32 rows with 32-key inner blocks at D = 128 (register budget); 3 = 4 warps x 32
- * rows with 64-key blocks. Default: 3 (fastest on the H200, BENCHMARKS.md). */
+ * rows with 64-key blocks; 4 = the Hopper kernel (sink_attn_fwd_sm90.cu). Default (0): 4 where
+ * usable (sm_90a build on a compute capability 9.0 device), else 3. */
 int variant() {
-    static int v = -1;
-    if (v < 0) {
-        const char *e = getenv("NCP_FWD_VARIANT");
-        v = (e != nullptr && e[0] >= '1' && e[0] <= '3') ? e[0] - '0' : 3;
-    }
-    return v;
+    const char *e = getenv("NCP_FWD_VARIANT"); /* per call: tests switch kernels in one process */
+    return (e != nullptr && e[0] >= '1' && e[0] <= '4' && e[1] == 0) ? e[0] - '0' : 0;
 }
 
 template <typename T, int D> ncp_status launch_any(const ncp_sink_attn_params &p, cudaStream_t s) {
     switch (variant()) {
     case 1: return launch<T, D, 1, 8, 64>(p, s);
     case 2: return launch<T, D, 2, 4, D == 128 ? 32 : 64>(p, s);
-    default: return launch<T, D, 2, 4, 64>(p, s);
+    default: return launch<T, D, 2, 4, 64>(p, s); /* 3, and 0/4 where the Hopper kernel is unusable */
     }
 }
 
@@ -320,9 +318,16 @@ extern "C" ncp_status ncp_sink_attn_fwd_cuda(const ncp_sink_attn_params *p, void
     NCP_ARG_CHECK((p->Tq + NCP_FWD_BM - 1) / NCP_FWD_BM <= 65535, "too many query tiles for one launch (Tq=%d)", p->Tq);
     if (p->Tq == 0) return NCP_OK;
     cudaStream_t s = (cudaStream_t)stream;
+    if (ncp_sink_attn_fwd_variant() == 4) return ncp_sink_attn_fwd_sm90(p, stream);
     const bool bf16 = p->dtype == NCP_DT_BF16;
     if (p->D == 64) return bf16 ? ncp::launch_any<__nv_bfloat16, 64>(*p, s) : ncp::launch_any<__half, 64>(*p, s);
     return bf16 ? ncp::launch_any<__nv_bfloat16, 128>(*p, s) : ncp::launch_any<__half, 128>(*p, s);
+}
+
+extern "C" int ncp_sink_attn_fwd_variant(void) {
+    const int v = ncp::variant();
+    if (v == 0 || v == 4) return ncp_sm90_usable() ? 4 : 3;
+    return v;
 }
 
 /* Shared with the backward file. */

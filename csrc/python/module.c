@@ -234,6 +234,12 @@ static PyObject *py_build_info(PyObject *m, PyObject *noargs) {
                          NCP_BWD_BN);
 }
 
+static PyObject *py_sink_attn_fwd_variant(PyObject *m, PyObject *noargs) {
+    (void)m;
+    (void)noargs;
+    return PyLong_FromLong(ncp_sink_attn_fwd_variant());
+}
+
 static PyMethodDef methods[] = {
     {"thd_partition", (PyCFunction)(void (*)(void))py_thd_partition, METH_FASTCALL,
      "thd_partition(cu_seqlens, out, total_tokens, cp_size, cp_rank, stream): TE's DualChunkSwap indices."},
@@ -259,6 +265,8 @@ static PyMethodDef methods[] = {
     {"plan_build", (PyCFunction)(void (*)(void))ncp_py_plan_build, METH_FASTCALL,
      "plan_build(cu_seqlens_host, cp_size, cp_rank, requested_chunk, min_chunks_per_rank, windows) -> dict."},
     {"build_info", py_build_info, METH_NOARGS, "build_info() -> dict describing this build."},
+    {"sink_attn_fwd_variant", py_sink_attn_fwd_variant, METH_NOARGS,
+     "sink_attn_fwd_variant() -> CUDA forward kernel on the current device (4 Hopper, 1-3 portable, 0 none)."},
     {NULL, NULL, 0, NULL},
 };
 

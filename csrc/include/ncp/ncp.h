@@ -204,6 +204,10 @@ ncp_status ncp_sink_attn_bwd_cuda(const ncp_sink_attn_bwd_params *p, void *strea
 #define NCP_BWD_PRE_ROWS 128
 /* Number of dsink partial sums per head the CUDA backward needs for Tq queries. */
 int32_t ncp_sink_attn_bwd_n_part(int32_t Tq);
+/* Which CUDA forward kernel a call on the current device runs: 4 = Hopper (wgmma + TMA, sm_90a
+ * build on compute capability 9.0), 1-3 = the portable mma.sync layouts, 0 = no CUDA build.
+ * NCP_FWD_VARIANT=1..4 in the environment picks one (4 falls back to 3 where unusable). */
+int ncp_sink_attn_fwd_variant(void);
 
 /* ------------------------------------------------------------------------------------------ */
 /* Magi dispatch and Flint CP plans (host)                                                     */

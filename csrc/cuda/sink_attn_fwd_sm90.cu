@@ -1,0 +1,348 @@
+/*
+ * cuda/sink_attn_fwd_sm90.cu: learned-sink attention forward for Hopper (sm_90a): TMA + wgmma,
+ * warp-specialized. Same math, interface and masks as sink_attn_fwd.cu (see its header comment);
+ * chosen at run time on compute capability 9.0 when the build holds sm_90a code.
+ *
+ * CTA = 3 warpgroups over BM = 128 query rows of one head:
+ *   warpgroup 0  producer: one thread issues TMA copies of the Q tile (once) and of the K and V
+ *                tiles into a STAGES-deep ring of 128B-swizzled shared buffers, each guarded by
+ *                full (transaction-count) and empty (consumer-arrival) mbarriers; registers are
+ *                handed to the consumers with setmaxnreg.
+ *   warpgroups 1-2  consumers, 64 query rows each: S = Q K^T with wgmma (A and B from shared
+ *                memory), mask only on partial tiles, online softmax started from the sink in
+ *                registers, then O += P V with wgmma (P from registers, V MN-major from shared).
+ * Kv tiles of BN keys: 128 in contiguous mode (range from cu_seqlens and the window, diagonal
+ * first), NCP_FWD_BN = 64 in positions mode (the plan's CSR schedule). Grid (Hq, q tiles),
+ * heaviest tiles first. The epilogue stages O through the warpgroup's own Q rows in shared memory
+ * for 16-byte stores.
+ *
+ * Versions: v1 (this) no intra-warpgroup overlap of softmax and MMA yet. Measured: BENCHMARKS.md.
+ * Test: pytest tests/test_sink_attention_cuda.py   Bench: python benchmarks/bench_sink_attention.py
+ */
+#include <stdlib.h>
+
+#include "ncp/ncp_check.h"
+#include "ncp_internal.h"
+#include "sink_attn_common.cuh"
+#include "sm90_common.cuh"
+#include "sm90_wgmma.cuh"
+
+namespace ncp {
+namespace {
+
+constexpr int HBM = 128;          /* query rows per CTA: two consumer warpgroups of 64 */
+constexpr int kThreads = 384;     /* producer + 2 consumer warpgroups */
+constexpr int kStages = 2;
+
+template <int D, int BN> struct fwd_layout {
+    static constexpr int q_bytes = HBM * D * 2;
+    static constexpr int kv_bytes = BN * D * 2;
+    static constexpr int k_off = q_bytes;
+    static constexpr int v_off = k_off + kStages * kv_bytes;
+    static constexpr int bar_off = v_off + kStages * kv_bytes; /* q_full, k_full[S], v_full[S], empty[S] */
+    static constexpr int bytes = bar_off + (1 + 3 * kStages) * 8 + 1024; /* + slack to align to 1024 */
+};
+
+template <typename T, int D, int BN>
+__global__ void __launch_bounds__(kThreads, 1)
+    sink_attn_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
+                              const __grid_constant__ CUtensorMap tm_v, const ncp_sink_attn_params p) {
+#ifdef NCP_SM90_DEVICE
+    using L = fwd_layout<D, BN>;
+    extern __shared__ unsigned char smem_raw[];
+    const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
+    const uint32_t sQ = base, sK0 = base + L::k_off, sV0 = base + L::v_off;
+    const uint32_t bar_q = base + L::bar_off;
+    auto bar_k = [&](int s) { return bar_q + 8u * (1 + s); };
+    auto bar_v = [&](int s) { return bar_q + 8u * (1 + kStages + s); };
+    auto bar_e = [&](int s) { return bar_q + 8u * (1 + 2 * kStages + s); };
+
+    const int tid = threadIdx.x, wg = tid / 128, lane = tid & 31;
+    const int h = blockIdx.x, g_kv = h / (p.Hq / p.Hkv);
+    const int tile = gridDim.y - 1 - blockIdx.y; /* heavy (late) tiles first */
+    const int q0 = tile * HBM;
+    const bool positions = p.q_pos != nullptr;
+
+    if (tid == 0) {
+        sm90::mbar_init(bar_q, 1);
+        for (int s = 0; s < kStages; ++s) {
+            sm90::mbar_init(bar_k(s), 1);
+            sm90::mbar_init(bar_v(s), 1);
+            sm90::mbar_init(bar_e(s), 8); /* one arrival per consumer warp */
+        }
+        sm90::mbar_fence_init();
+    }
+    __syncthreads();
+
+    /* ---- which kv tiles (both roles walk the same list) ------------------------------- */
+    int n_it, e0 = 0;
+    q_tile_range rng{};
+    if (positions) {
+        e0 = __ldg(p.fwd_off + tile);
+        n_it = __ldg(p.fwd_off + tile + 1) - e0;
+    } else {
+        rng = contiguous_q_range(p, q0, HBM, BN);
+        n_it = max(0, rng.kt_hi - rng.kt_lo + 1);
+    }
+    auto tile_at = [&](int it, bool &full) -> int {
+        if (positions) {
+            const int e = __ldg(p.fwd_ent + e0 + it);
+            full = e & 1;
+            return e >> 1;
+        }
+        const int kt = rng.kt_hi - it; /* diagonal (partial) tile first */
+        full = contiguous_full(p, rng, kt, BN);
+        return kt;
+    };
+
+    if (wg == 0) {
+        /* ================= producer ================= */
+        sm90::reg_dealloc<24>();
+        if (tid == 0) {
+            sm90::tma_prefetch_desc(&tm_q);
+            sm90::tma_prefetch_desc(&tm_k);
+            sm90::tma_prefetch_desc(&tm_v);
+            sm90::mbar_expect_tx(bar_q, HBM * D * 2);
+#pragma unroll
+            for (int cb = 0; cb < D / 64; ++cb) sm90::tma_load_3d(sQ + cb * HBM * 128, &tm_q, cb * 64, h, q0, bar_q);
+            for (int it = 0; it < n_it; ++it) {
+                const int s = it % kStages;
+                if (it >= kStages) sm90::mbar_wait(bar_e(s), ((it / kStages) & 1) ^ 1);
+                bool full;
+                const int kt = tile_at(it, full);
+                const uint32_t sK = sK0 + s * L::kv_bytes, sV = sV0 + s * L::kv_bytes;
+                sm90::mbar_expect_tx(bar_k(s), L::kv_bytes);
+#pragma unroll
+                for (int cb = 0; cb < D / 64; ++cb) sm90::tma_load_3d(sK + cb * BN * 128, &tm_k, cb * 64, g_kv, kt * BN, bar_k(s));
+                sm90::mbar_expect_tx(bar_v(s), L::kv_bytes);
+#pragma unroll
+                for (int cb = 0; cb < D / 64; ++cb) sm90::tma_load_3d(sV + cb * BN * 128, &tm_v, cb * 64, g_kv, kt * BN, bar_v(s));
+            }
+        }
+        return;
+    }
+
+    /* ================= consumers ================= */
+    sm90::reg_alloc<240>();
+    const int cw = wg - 1;                        /* consumer warpgroup: rows 64 cw .. */
+    const int warp = (tid & 127) >> 5;            /* warp within the warpgroup: rows 16 warp .. */
+    const int gq = lane >> 2, tq = lane & 3;
+    const int row0 = 64 * cw + 16 * warp + gq;    /* tile rows row0 and row0 + 8 */
+    int qpos[2], qlo[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) row_bounds(p, q0 + row0 + 8 * r, qpos[r], qlo[r]);
+    const float scale_log2 = (float)p.scale * kLog2e;
+    const bool has_sink = p.sink != nullptr;
+    const float sink_log2 = has_sink ? __ldg(reinterpret_cast<const float *>(p.sink) + h) * kLog2e : -INFINITY;
+    float m[2] = {sink_log2, sink_log2};
+    float l[2];
+    l[0] = l[1] = (has_sink && tq == 0) ? 1.f : 0.f; /* counted once by the final quad sum */
+    float o[D / 2];
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+
+    const uint32_t sQw = sQ + cw * 64 * 128; /* this warpgroup's 64 rows in every column block */
+    sm90::mbar_wait(bar_q, 0);
+
+    for (int it = 0; it < n_it; ++it) {
+        const int s = it % kStages;
+        const uint32_t ph = (it / kStages) & 1;
+        bool full;
+        const int kt = tile_at(it, full);
+        const uint32_t sK = sK0 + s * L::kv_bytes, sV = sV0 + s * L::kv_bytes;
+
+        /* S = Q K^T (64 x BN per warpgroup) */
+        float sc[BN / 2];
+        sm90::mbar_wait(bar_k(s), ph);
+        sm90::fence_regs(sc, BN / 2);
+        sm90::wg_fence();
+#pragma unroll
+        for (int ks = 0; ks < D / 16; ++ks) {
+            const uint64_t da = sm90::desc_kmajor(sQw + (ks >> 2) * HBM * 128 + (ks & 3) * 32);
+            const uint64_t db = sm90::desc_kmajor(sK + (ks >> 2) * BN * 128 + (ks & 3) * 32);
+            sm90::wgmma<T, BN>::template ss<0, 0>(sc, da, db, ks > 0);
+        }
+        sm90::wg_commit();
+        sm90::wg_wait<0>();
+        sm90::fence_regs(sc, BN / 2);
+
+        /* scale into the log2 domain, mask partial tiles, online softmax */
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                float x = sc[4 * j + e] * scale_log2;
+                if (!full) {
+                    const int kj = kt * BN + 8 * j + 2 * tq + (e & 1);
+                    const int kp = kj >= p.Tk ? kNoKey : (positions ? __ldg(p.k_pos + kj) : kj);
+                    if (kp < qlo[e >> 1] || kp > qpos[e >> 1]) x = -INFINITY;
+                }
+                sc[4 * j + e] = x;
+            }
+        float corr[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float mx = m[r];
+#pragma unroll
+            for (int j = 0; j < BN / 8; ++j) mx = fmaxf(mx, fmaxf(sc[4 * j + 2 * r], sc[4 * j + 2 * r + 1]));
+            mx = quad_max(mx);
+            const float m_use = mx == -INFINITY ? 0.f : mx;
+            corr[r] = ex2(m[r] - m_use);
+            float sum = 0.f;
+#pragma unroll
+            for (int j = 0; j < BN / 8; ++j) {
+                sc[4 * j + 2 * r] = ex2(sc[4 * j + 2 * r] - m_use);
+                sc[4 * j + 2 * r + 1] = ex2(sc[4 * j + 2 * r + 1] - m_use);
+                sum += sc[4 * j + 2 * r] + sc[4 * j + 2 * r + 1];
+            }
+            l[r] = l[r] * corr[r] + sum;
+            m[r] = mx;
+        }
+        uint32_t pf[BN / 16][4];
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) {
+            pf[kk][0] = elem<T>::pack(sc[8 * kk + 0], sc[8 * kk + 1]);
+            pf[kk][1] = elem<T>::pack(sc[8 * kk + 2], sc[8 * kk + 3]);
+            pf[kk][2] = elem<T>::pack(sc[8 * kk + 4], sc[8 * kk + 5]);
+            pf[kk][3] = elem<T>::pack(sc[8 * kk + 6], sc[8 * kk + 7]);
+        }
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j) {
+            o[4 * j + 0] *= corr[0];
+            o[4 * j + 1] *= corr[0];
+            o[4 * j + 2] *= corr[1];
+            o[4 * j + 3] *= corr[1];
+        }
+
+        /* O += P V */
+        sm90::mbar_wait(bar_v(s), ph);
+        sm90::fence_regs(o, D / 2);
+        sm90::wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) {
+            const uint64_t db = sm90::desc_mnmajor(sV + kk * 16 * 128, BN * 128);
+            sm90::wgmma<T, D>::template rs<1>(o, pf[kk], db, 1);
+        }
+        sm90::wg_commit();
+        sm90::wg_wait<0>();
+        sm90::fence_regs(o, D / 2);
+        if (lane == 0) sm90::mbar_arrive(bar_e(s));
+    }
+
+    /* ---- epilogue: O = acc / l staged through this warpgroup's Q rows, lse ---------------- */
+    float inv[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        l[r] = quad_sum(l[r]);
+        inv[r] = l[r] > 0.f ? 1.f / l[r] : 0.f;
+    }
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const uint32_t v = elem<T>::pack(o[4 * j + 2 * r] * inv[r], o[4 * j + 2 * r + 1] * inv[r]);
+            const uint32_t addr = sQ + sm90::sw128_offset(HBM, row0 + 8 * r, 8 * j + 2 * tq);
+            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v));
+        }
+    if (tq == 0) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int i = q0 + row0 + 8 * r;
+            if (i < p.Tq) p.lse[(int64_t)h * p.Tq + i] = l[r] > 0.f ? (m[r] + __log2f(l[r])) * kLn2 : -INFINITY;
+        }
+    }
+    sm90::named_sync(1 + cw, 128);
+    T *oh = reinterpret_cast<T *>(p.out) + (int64_t)h * p.o_sh;
+    constexpr int kChunks = D / 8;
+    for (int i = tid & 127; i < 64 * kChunks; i += 128) {
+        const int row = 64 * cw + i / kChunks, chunk = i % kChunks, q = q0 + row;
+        if (q >= p.Tq) continue;
+        uint4 v;
+        asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];\n"
+                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                     : "r"(sQ + sm90::sw128_offset(HBM, row, chunk * 8)));
+        *reinterpret_cast<uint4 *>(oh + (int64_t)q * p.o_st + chunk * 8) = v;
+    }
+#else
+    __trap(); /* never launched: the host only picks this kernel on sm_90a builds and devices */
+#endif
+}
+
+template <typename T, int D, int BN> ncp_status launch(const ncp_sink_attn_params &p, cudaStream_t stream) {
+    CUtensorMap tq, tk, tv;
+    NCP_TRY(ncp_sm90_tensor_map(&tq, p.q, p.Tq, p.Hq, D, p.q_st, p.q_sh, HBM));
+    NCP_TRY(ncp_sm90_tensor_map(&tk, p.k, p.Tk, p.Hkv, D, p.k_st, p.k_sh, BN));
+    NCP_TRY(ncp_sm90_tensor_map(&tv, p.v, p.Tk, p.Hkv, D, p.v_st, p.v_sh, BN));
+    constexpr int bytes = fwd_layout<D, BN>::bytes;
+    auto kernel = sink_attn_fwd_sm90_kernel<T, D, BN>;
+    NCP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+    const dim3 grid(p.Hq, (p.Tq + HBM - 1) / HBM);
+    kernel<<<grid, kThreads, bytes, stream>>>(tq, tk, tv, p);
+    NCP_CUDA_CHECK(cudaGetLastError());
+    return NCP_OK;
+}
+
+template <typename T, int D> ncp_status launch_mode(const ncp_sink_attn_params &p, cudaStream_t s) {
+    return p.q_pos != nullptr ? launch<T, D, NCP_FWD_BN>(p, s) : launch<T, D, 128>(p, s);
+}
+
+}  // namespace
+}  // namespace ncp
+
+/* ---- host helpers shared by the Hopper kernels ---------------------------------------------- */
+typedef CUresult (*ncp_encode_tiled_fn)(CUtensorMap *, CUtensorMapDataType, cuuint32_t, void *, const cuuint64_t *,
+                                        const cuuint64_t *, const cuuint32_t *, const cuuint32_t *, CUtensorMapInterleave,
+                                        CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+static ncp_encode_tiled_fn encode_fn(void) {
+    static ncp_encode_tiled_fn fn = []() -> ncp_encode_tiled_fn {
+        void *f = nullptr;
+        cudaDriverEntryPointQueryResult q;
+        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+            q != cudaDriverEntryPointSuccess)
+            return nullptr;
+        return reinterpret_cast<ncp_encode_tiled_fn>(f);
+    }();
+    return fn;
+}
+
+ncp_status ncp_sm90_tensor_map(CUtensorMap *map, const void *base, int T, int H, int D, int64_t st, int64_t sh,
+                               int box_rows) {
+    ncp_encode_tiled_fn fn = encode_fn();
+    NCP_CHECK(fn != nullptr, NCP_ERR_CUDA, "cuTensorMapEncodeTiled is not available from the CUDA driver");
+    const cuuint64_t dims[3] = {(cuuint64_t)D, (cuuint64_t)H, (cuuint64_t)(T > 0 ? T : 1)};
+    const cuuint64_t strides[2] = {(cuuint64_t)sh * 2, (cuuint64_t)st * 2};
+    const cuuint32_t box[3] = {64, 1, (cuuint32_t)box_rows};
+    const cuuint32_t estr[3] = {1, 1, 1};
+    const CUresult r = fn(map, CU_TENSOR_MAP_DATA_TYPE_UINT16 /* a copy of 16-bit elements */, 3, const_cast<void *>(base), dims, strides, box, estr,
+                          CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                          CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    NCP_CHECK(r == CUDA_SUCCESS, NCP_ERR_CUDA, "cuTensorMapEncodeTiled failed (CUresult %d; T=%d H=%d D=%d strides %lld/%lld)",
+              (int)r, T, H, D, (long long)st, (long long)sh);
+    return NCP_OK;
+}
+
+int ncp_sm90_usable(void) {
+#ifdef NCP_SM90A_BUILD
+    static int cached[64];
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || dev < 0) return 0;
+    if (dev < 64 && cached[dev] != 0) return cached[dev] > 0;
+    int major = 0, minor = 0;
+    const int ok = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
+                   cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) == cudaSuccess &&
+                   major == 9 && minor == 0 && encode_fn() != nullptr;
+    if (dev < 64) cached[dev] = ok ? 1 : -1;
+    return ok;
+#else
+    return 0;
+#endif
+}
+
+/* Hopper forward; the caller (ncp_sink_attn_fwd_cuda) has validated p and checked usability. */
+extern "C" ncp_status ncp_sink_attn_fwd_sm90(const ncp_sink_attn_params *p, void *stream) {
+    cudaStream_t s = (cudaStream_t)stream;
+    const bool bf16 = p->dtype == NCP_DT_BF16;
+    if (p->D == 64) return bf16 ? ncp::launch_mode<__nv_bfloat16, 64>(*p, s) : ncp::launch_mode<__half, 64>(*p, s);
+    return bf16 ? ncp::launch_mode<__nv_bfloat16, 128>(*p, s) : ncp::launch_mode<__half, 128>(*p, s);
+}

@@ -1,0 +1,118 @@
+/*
+ * sm90_common.cuh: Hopper (sm_90a) building blocks of the sink-attention kernels: mbarriers, TMA
+ * tensor copies, wgmma shared-memory descriptors and fences, register reallocation, and the host
+ * side that encodes a THD tensor as a TMA tensor map.
+ *
+ * Shared tiles use the 128-byte swizzle that TMA writes and wgmma reads: a tile of R rows x D
+ * 16-bit columns is stored as D/64 column blocks of R x 128 bytes; inside a block, 16-byte chunk c
+ * of row r sits at chunk c ^ (r % 8) (address bits [4,7) ^= bits [7,10), so blocks start on
+ * 1024-byte boundaries).
+ *
+ * Descriptors (PTX ISA, "Matrix Descriptor Format"): start >> 4 in bits [0,14), leading byte offset
+ * >> 4 in [16,30), stride byte offset >> 4 in [32,46), swizzle mode in [62,64) (1 = 128 B).
+ *   K-major (rows = M or N, 64 K-elements per 128-byte row): SBO = 1024 (next 8-row group), LBO
+ *     unused; step K by 16 elements with start + 32 bytes, by 64 with the next column block.
+ *   MN-major (rows = K, 64 M/N-elements per 128-byte row): SBO = 1024 (next 8 K-rows), LBO = bytes
+ *     between 64-wide M/N column blocks; step K by 16 rows with start + 16 * 128 bytes.
+ */
+#ifndef NCP_SM90_COMMON_CUH
+#define NCP_SM90_COMMON_CUH
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "ncp/ncp.h"
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define NCP_SM90_DEVICE 1
+#endif
+
+namespace ncp {
+namespace sm90 {
+
+/* ---- device primitives (valid only in sm_90a device code) -------------------------------- */
+#ifdef NCP_SM90_DEVICE
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
+}
+__device__ __forceinline__ void mbar_fence_init() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+    uint32_t done;
+    do {
+        asm volatile(
+            "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+            : "=r"(done)
+            : "r"(bar), "r"(parity)
+            : "memory");
+    } while (!done);
+}
+
+/* TMA: box at coordinates (c0 innermost, c1, c2) of a 3-D tensor map into shared memory; the
+ * barrier's transaction count drops by the box's bytes (zero-filled outside the tensor). */
+__device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap *map, int c0, int c1, int c2, uint32_t bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(dst),
+        "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
+        : "memory");
+}
+__device__ __forceinline__ void tma_prefetch_desc(const CUtensorMap *map) {
+    asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+}
+
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void wg_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+/* Keeps the compiler from moving accumulator reads/writes across an in-flight wgmma. */
+__device__ __forceinline__ void fence_regs(float *r, int n) {
+#pragma unroll
+    for (int i = 0; i < n; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+
+template <int N> __device__ __forceinline__ void reg_alloc() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+template <int N> __device__ __forceinline__ void reg_dealloc() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+/* Barrier over `threads` threads (a multiple of 32) with id 1..15 (0 is __syncthreads). */
+__device__ __forceinline__ void named_sync(int id, int threads) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+__device__ __forceinline__ uint64_t desc_kmajor(uint32_t addr) {
+    return (uint64_t)((addr & 0x3FFFFu) >> 4) | ((uint64_t)1 << 16) | ((uint64_t)(1024 >> 4) << 32) | ((uint64_t)1 << 62);
+}
+__device__ __forceinline__ uint64_t desc_mnmajor(uint32_t addr, uint32_t lbo) {
+    return (uint64_t)((addr & 0x3FFFFu) >> 4) | ((uint64_t)(lbo >> 4) << 16) | ((uint64_t)(1024 >> 4) << 32) |
+           ((uint64_t)1 << 62);
+}
+#endif /* NCP_SM90_DEVICE */
+
+/* Byte offset of element (row, col) of a 128B-swizzled tile of `rows` rows (see the top comment). */
+__host__ __device__ __forceinline__ uint32_t sw128_offset(int rows, int row, int col) {
+    return (uint32_t)((col >> 6) * rows * 128 + row * 128 + ((((col & 63) >> 3) ^ (row & 7)) << 4) + (col & 7) * 2);
+}
+
+}  // namespace sm90
+}  // namespace ncp
+
+/* ---- host: tensor maps ---------------------------------------------------------------------- */
+/* Encodes the (T, H, D) 16-bit tensor at `base` (element strides st per token, sh per head) as a
+ * 3-D TMA map with boxes of 64 columns x 1 head x box_rows tokens and 128-byte swizzle. */
+ncp_status ncp_sm90_tensor_map(CUtensorMap *map, const void *base, int T, int H, int D, int64_t st, int64_t sh,
+                               int box_rows);
+/* 1 when this build holds sm_90a kernels and the current device is compute capability 9.0. */
+int ncp_sm90_usable(void);
+/* Hopper forward (sink_attn_fwd_sm90.cu); p already validated, ncp_sm90_usable() true. */
+extern "C" ncp_status ncp_sink_attn_fwd_sm90(const ncp_sink_attn_params *p, void *stream);
+
+#endif /* NCP_SM90_COMMON_CUH */
