@@ -91,13 +91,14 @@ def bench_case(name, spec, *, flex: bool, reps: int) -> list[dict]:
     from nemo_cp_native._ops import _C
 
     kernel = {4: "sm90 wgmma+TMA fwd"}.get(_C.sink_attn_fwd_variant(), f"mma.sync fwd v{_C.sink_attn_fwd_variant()}")
-    impls = [("ncp", leaves[3], None, kernel), ("ncp-nosink", None, None, kernel)]
-    if _C.sink_attn_fwd_variant() == 4:  # the portable kernel on the same card, for comparison
-        impls.append(("ncp-portable", leaves[3], "3", "mma.sync fwd v3"))
-    for impl, s, variant, note in impls:
-        saved = os.environ.get("NCP_FWD_VARIANT")
-        if variant:
-            os.environ["NCP_FWD_VARIANT"] = variant
+    ref_out = ncp.sink_attention(q, k, v, sink, cu, window=window)
+    impls = [("ncp", leaves[3], {}, kernel), ("ncp-nosink", None, {}, kernel)]
+    if _C.sink_attn_fwd_variant() == 4:  # the other forward kernels on the same card, for comparison
+        impls.append(("ncp-sm90-simple", leaves[3], {"NCP_SM90_FWD_SIMPLE": "1"}, "sm90 fwd, no softmax/MMA overlap"))
+        impls.append(("ncp-portable", leaves[3], {"NCP_FWD_VARIANT": "3"}, "mma.sync fwd v3"))
+    for impl, s, env, note in impls:
+        saved = {key: os.environ.get(key) for key in env}
+        os.environ.update(env)
 
         def fwd(s=s):
             with torch.no_grad():
@@ -108,13 +109,14 @@ def bench_case(name, spec, *, flex: bool, reps: int) -> list[dict]:
             out.backward(dout)
 
         try:
+            if env:  # same answer as the default kernel before timing
+                note += f"; max|x-ncp|={(fwd().float() - ref_out.float()).abs().max().item():.3g}"
             record(impl, time_cuda(fwd, reps=reps), time_cuda(fwdbwd, reps=max(3, reps // 2)), note)
         finally:
-            if variant:
-                os.environ.pop("NCP_FWD_VARIANT", None)
-                if saved is not None:
-                    os.environ["NCP_FWD_VARIANT"] = saved
-    ref_out = ncp.sink_attention(q, k, v, sink, cu, window=window)
+            for key, val in saved.items():
+                os.environ.pop(key, None)
+                if val is not None:
+                    os.environ[key] = val
 
     # ---- FlexAttention + sink correction -------------------------------------------------
     if flex:

@@ -23,14 +23,17 @@ pytestmark = pytest.mark.cuda
 DEV = "cuda"
 
 
-@pytest.fixture(params=["auto", "portable"])
+@pytest.fixture(params=["auto", "sm90-simple", "portable"])
 def fwd_kernel(request, monkeypatch):
-    """Runs a test on the default forward kernel (the Hopper one on an H200) and on the portable
-    mma.sync kernel (NCP_FWD_VARIANT is read at each call)."""
+    """Runs a test on the default forward kernel (the Hopper one on an H200), on the Hopper kernel
+    without softmax/MMA overlap, and on the portable mma.sync kernel (both switches are read at
+    each call)."""
+    monkeypatch.delenv("NCP_FWD_VARIANT", raising=False)
+    monkeypatch.delenv("NCP_SM90_FWD_SIMPLE", raising=False)
     if request.param == "portable":
         monkeypatch.setenv("NCP_FWD_VARIANT", "3")
-    else:
-        monkeypatch.delenv("NCP_FWD_VARIANT", raising=False)
+    elif request.param == "sm90-simple":
+        monkeypatch.setenv("NCP_SM90_FWD_SIMPLE", "1")
     return request.param
 
 

@@ -16,7 +16,8 @@
  * heaviest tiles first. The epilogue stages O through the warpgroup's own Q rows in shared memory
  * for 16-byte stores.
  *
- * Versions: v1 (this) no intra-warpgroup overlap of softmax and MMA yet. Measured: BENCHMARKS.md.
+ * Versions: v1 (this): softmax of tile it overlaps P V of tile it-1 within each consumer
+ * warpgroup. Measured: BENCHMARKS.md.
  * Test: pytest tests/test_sink_attention_cuda.py   Bench: python benchmarks/bench_sink_attention.py
  */
 #include <stdlib.h>
@@ -43,7 +44,7 @@ template <int D, int BN> struct fwd_layout {
     static constexpr int bytes = bar_off + (1 + 3 * kStages) * 8 + 1024; /* + slack to align to 1024 */
 };
 
-template <typename T, int D, int BN>
+template <typename T, int D, int BN, bool OVERLAP>
 __global__ void __launch_bounds__(kThreads, 1)
     sink_attn_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                               const __grid_constant__ CUtensorMap tm_v, const ncp_sink_attn_params p) {
@@ -142,18 +143,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
 
     const uint32_t sQw = sQ + cw * 64 * 128; /* this warpgroup's 64 rows in every column block */
-    sm90::mbar_wait(bar_q, 0);
 
-    for (int it = 0; it < n_it; ++it) {
-        const int s = it % kStages;
-        const uint32_t ph = (it / kStages) & 1;
-        bool full;
-        const int kt = tile_at(it, full);
-        const uint32_t sK = sK0 + s * L::kv_bytes, sV = sV0 + s * L::kv_bytes;
-
-        /* S = Q K^T (64 x BN per warpgroup) */
-        float sc[BN / 2];
-        sm90::mbar_wait(bar_k(s), ph);
+    /* S = Q K^T (64 x BN per warpgroup), issued asynchronously */
+    auto issue_s = [&](float *sc, int s) {
+        const uint32_t sK = sK0 + s * L::kv_bytes;
         sm90::fence_regs(sc, BN / 2);
         sm90::wg_fence();
 #pragma unroll
@@ -163,10 +156,23 @@ __global__ void __launch_bounds__(kThreads, 1)
             sm90::wgmma<T, BN>::template ss<0, 0>(sc, da, db, ks > 0);
         }
         sm90::wg_commit();
-        sm90::wg_wait<0>();
-        sm90::fence_regs(sc, BN / 2);
-
-        /* scale into the log2 domain, mask partial tiles, online softmax */
+    };
+    /* O += P V, issued asynchronously (P stays live in registers until the wait) */
+    auto issue_pv = [&](uint32_t (*pf)[4], int s) {
+        const uint32_t sV = sV0 + s * L::kv_bytes;
+        sm90::fence_regs(o, D / 2);
+        sm90::wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) {
+            const uint64_t db = sm90::desc_mnmajor(sV + kk * 16 * 128, BN * 128);
+            sm90::wgmma<T, D>::template rs<1>(o, pf[kk], db, 1);
+        }
+        sm90::wg_commit();
+    };
+    /* Scale into the log2 domain, mask a partial tile, online softmax; P into A fragments. */
+    auto softmax = [&](float *sc, int it, uint32_t (*pf)[4], float *corr) {
+        bool full;
+        const int kt = tile_at(it, full);
 #pragma unroll
         for (int j = 0; j < BN / 8; ++j)
 #pragma unroll
@@ -179,7 +185,6 @@ __global__ void __launch_bounds__(kThreads, 1)
                 }
                 sc[4 * j + e] = x;
             }
-        float corr[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             float mx = m[r];
@@ -198,7 +203,6 @@ __global__ void __launch_bounds__(kThreads, 1)
             l[r] = l[r] * corr[r] + sum;
             m[r] = mx;
         }
-        uint32_t pf[BN / 16][4];
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) {
             pf[kk][0] = elem<T>::pack(sc[8 * kk + 0], sc[8 * kk + 1]);
@@ -206,6 +210,8 @@ __global__ void __launch_bounds__(kThreads, 1)
             pf[kk][2] = elem<T>::pack(sc[8 * kk + 4], sc[8 * kk + 5]);
             pf[kk][3] = elem<T>::pack(sc[8 * kk + 6], sc[8 * kk + 7]);
         }
+    };
+    auto rescale = [&](const float *corr) {
 #pragma unroll
         for (int j = 0; j < D / 8; ++j) {
             o[4 * j + 0] *= corr[0];
@@ -213,20 +219,73 @@ __global__ void __launch_bounds__(kThreads, 1)
             o[4 * j + 2] *= corr[1];
             o[4 * j + 3] *= corr[1];
         }
-
-        /* O += P V */
-        sm90::mbar_wait(bar_v(s), ph);
-        sm90::fence_regs(o, D / 2);
-        sm90::wg_fence();
+    };
+    auto fence_p = [&](uint32_t (*pf)[4]) {
 #pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk) {
-            const uint64_t db = sm90::desc_mnmajor(sV + kk * 16 * 128, BN * 128);
-            sm90::wgmma<T, D>::template rs<1>(o, pf[kk], db, 1);
+        for (int kk = 0; kk < BN / 16; ++kk)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(pf[kk][e])::"memory");
+    };
+    auto release = [&](int s) {
+        if (lane == 0) sm90::mbar_arrive(bar_e(s));
+    };
+
+    sm90::mbar_wait(bar_q, 0);
+    if (!OVERLAP) { /* reference schedule: every MMA waited for at once (NCP_SM90_FWD_SIMPLE=1) */
+        for (int it = 0; it < n_it; ++it) {
+            const int s = it % kStages;
+            float sc[BN / 2], corr[2];
+            uint32_t pf[BN / 16][4];
+            sm90::mbar_wait(bar_k(s), (it / kStages) & 1);
+            issue_s(sc, s);
+            sm90::wg_wait<0>();
+            sm90::fence_regs(sc, BN / 2);
+            softmax(sc, it, pf, corr);
+            rescale(corr);
+            sm90::mbar_wait(bar_v(s), (it / kStages) & 1);
+            issue_pv(pf, s);
+            sm90::wg_wait<0>();
+            sm90::fence_regs(o, D / 2);
+            fence_p(pf);
+            release(s);
         }
-        sm90::wg_commit();
+    } else if (n_it > 0) {
+        float sc[BN / 2], corr[2];
+        uint32_t pf[BN / 16][4];
+        sm90::mbar_wait(bar_k(0), 0);
+        issue_s(sc, 0);
+        sm90::wg_wait<0>();
+        sm90::fence_regs(sc, BN / 2);
+        softmax(sc, 0, pf, corr);
+        /* Steady state: S(it) and P(it-1) V(it-1) are issued back to back; the softmax of S(it)
+         * overlaps P(it-1) V(it-1) on the tensor cores. O is rescaled once that MMA is done. */
+        for (int it = 1; it < n_it; ++it) {
+            const int s = it % kStages, sp = (it - 1) % kStages;
+            sm90::mbar_wait(bar_k(s), (it / kStages) & 1);
+            issue_s(sc, s);
+            sm90::mbar_wait(bar_v(sp), ((it - 1) / kStages) & 1);
+            issue_pv(pf, sp);
+            sm90::wg_wait<1>(); /* S(it) done; P(it-1) V(it-1) may still run */
+            sm90::fence_regs(sc, BN / 2);
+            uint32_t pn[BN / 16][4];
+            softmax(sc, it, pn, corr);
+            sm90::wg_wait<0>();
+            sm90::fence_regs(o, D / 2);
+            fence_p(pf); /* P(it-1) registers stay untouched until its MMA finished */
+            release(sp);
+            rescale(corr);
+#pragma unroll
+            for (int kk = 0; kk < BN / 16; ++kk)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) pf[kk][e] = pn[kk][e];
+        }
+        const int sl = (n_it - 1) % kStages;
+        sm90::mbar_wait(bar_v(sl), ((n_it - 1) / kStages) & 1);
+        issue_pv(pf, sl);
         sm90::wg_wait<0>();
         sm90::fence_regs(o, D / 2);
-        if (lane == 0) sm90::mbar_arrive(bar_e(s));
+        fence_p(pf);
+        release(sl);
     }
 
     /* ---- epilogue: O = acc / l staged through this warpgroup's Q rows, lse ---------------- */
@@ -268,13 +327,14 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
-template <typename T, int D, int BN> ncp_status launch(const ncp_sink_attn_params &p, cudaStream_t stream) {
+template <typename T, int D, int BN, bool OVERLAP>
+ncp_status launch(const ncp_sink_attn_params &p, cudaStream_t stream) {
     CUtensorMap tq, tk, tv;
     NCP_TRY(ncp_sm90_tensor_map(&tq, p.q, p.Tq, p.Hq, D, p.q_st, p.q_sh, HBM));
     NCP_TRY(ncp_sm90_tensor_map(&tk, p.k, p.Tk, p.Hkv, D, p.k_st, p.k_sh, BN));
     NCP_TRY(ncp_sm90_tensor_map(&tv, p.v, p.Tk, p.Hkv, D, p.v_st, p.v_sh, BN));
     constexpr int bytes = fwd_layout<D, BN>::bytes;
-    auto kernel = sink_attn_fwd_sm90_kernel<T, D, BN>;
+    auto kernel = sink_attn_fwd_sm90_kernel<T, D, BN, OVERLAP>;
     NCP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
     const dim3 grid(p.Hq, (p.Tq + HBM - 1) / HBM);
     kernel<<<grid, kThreads, bytes, stream>>>(tq, tk, tv, p);
@@ -282,8 +342,14 @@ template <typename T, int D, int BN> ncp_status launch(const ncp_sink_attn_param
     return NCP_OK;
 }
 
-template <typename T, int D> ncp_status launch_mode(const ncp_sink_attn_params &p, cudaStream_t s) {
-    return p.q_pos != nullptr ? launch<T, D, NCP_FWD_BN>(p, s) : launch<T, D, 128>(p, s);
+template <typename T, int D, bool OVERLAP> ncp_status launch_mode(const ncp_sink_attn_params &p, cudaStream_t s) {
+    return p.q_pos != nullptr ? launch<T, D, NCP_FWD_BN, OVERLAP>(p, s) : launch<T, D, 128, OVERLAP>(p, s);
+}
+
+template <typename T, int D> ncp_status launch_any(const ncp_sink_attn_params &p, cudaStream_t s) {
+    const char *e = getenv("NCP_SM90_FWD_SIMPLE");
+    if (e != nullptr && e[0] == '1') return launch_mode<T, D, false>(p, s);
+    return launch_mode<T, D, true>(p, s);
 }
 
 }  // namespace
@@ -343,6 +409,6 @@ int ncp_sm90_usable(void) {
 extern "C" ncp_status ncp_sink_attn_fwd_sm90(const ncp_sink_attn_params *p, void *stream) {
     cudaStream_t s = (cudaStream_t)stream;
     const bool bf16 = p->dtype == NCP_DT_BF16;
-    if (p->D == 64) return bf16 ? ncp::launch_mode<__nv_bfloat16, 64>(*p, s) : ncp::launch_mode<__half, 64>(*p, s);
-    return bf16 ? ncp::launch_mode<__nv_bfloat16, 128>(*p, s) : ncp::launch_mode<__half, 128>(*p, s);
+    if (p->D == 64) return bf16 ? ncp::launch_any<__nv_bfloat16, 64>(*p, s) : ncp::launch_any<__half, 64>(*p, s);
+    return bf16 ? ncp::launch_any<__nv_bfloat16, 128>(*p, s) : ncp::launch_any<__half, 128>(*p, s);
 }
