@@ -90,12 +90,13 @@ def bench_case(name, spec, *, flex: bool, reps: int) -> list[dict]:
     leaves = [t.detach().requires_grad_() for t in (q, k, v, sink)]
     from nemo_cp_native._ops import _C
 
-    kernel = {4: "sm90 wgmma+TMA fwd"}.get(_C.sink_attn_fwd_variant(), f"mma.sync fwd v{_C.sink_attn_fwd_variant()}")
+    kernel = {4: "sm90 fwd"}.get(_C.sink_attn_fwd_variant(), f"mma.sync fwd v{_C.sink_attn_fwd_variant()}")
+    kernel += {4: " + sm90 bwd"}.get(_C.sink_attn_bwd_variant(), " + mma.sync bwd")
     ref_out = ncp.sink_attention(q, k, v, sink, cu, window=window)
     impls = [("ncp", leaves[3], {}, kernel), ("ncp-nosink", None, {}, kernel)]
     if _C.sink_attn_fwd_variant() == 4:  # the other forward kernels on the same card, for comparison
-        impls.append(("ncp-sm90-simple", leaves[3], {"NCP_SM90_FWD_SIMPLE": "1"}, "sm90 fwd, no softmax/MMA overlap"))
-        impls.append(("ncp-portable", leaves[3], {"NCP_FWD_VARIANT": "3"}, "mma.sync fwd v3"))
+        impls.append(("ncp-sm90-overlap", leaves[3], {"NCP_SM90_FWD_OVERLAP": "1"}, "sm90 fwd, softmax/MMA overlap"))
+        impls.append(("ncp-portable", leaves[3], {"NCP_FWD_VARIANT": "3", "NCP_BWD_VARIANT": "1"}, "mma.sync fwd+bwd"))
     for impl, s, env, note in impls:
         saved = {key: os.environ.get(key) for key in env}
         os.environ.update(env)

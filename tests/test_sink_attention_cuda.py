@@ -23,17 +23,18 @@ pytestmark = pytest.mark.cuda
 DEV = "cuda"
 
 
-@pytest.fixture(params=["auto", "sm90-simple", "portable"])
+@pytest.fixture(params=["auto", "sm90-overlap", "portable"])
 def fwd_kernel(request, monkeypatch):
-    """Runs a test on the default forward kernel (the Hopper one on an H200), on the Hopper kernel
-    without softmax/MMA overlap, and on the portable mma.sync kernel (both switches are read at
-    each call)."""
-    monkeypatch.delenv("NCP_FWD_VARIANT", raising=False)
-    monkeypatch.delenv("NCP_SM90_FWD_SIMPLE", raising=False)
+    """Runs a test on the default kernels (the Hopper ones on an H200), on the Hopper forward with
+    softmax/MMA overlap, and on the portable mma.sync forward and backward (the switches are read
+    at each call)."""
+    for var in ("NCP_FWD_VARIANT", "NCP_BWD_VARIANT", "NCP_SM90_FWD_OVERLAP"):
+        monkeypatch.delenv(var, raising=False)
     if request.param == "portable":
         monkeypatch.setenv("NCP_FWD_VARIANT", "3")
-    elif request.param == "sm90-simple":
-        monkeypatch.setenv("NCP_SM90_FWD_SIMPLE", "1")
+        monkeypatch.setenv("NCP_BWD_VARIANT", "1")
+    elif request.param == "sm90-overlap":
+        monkeypatch.setenv("NCP_SM90_FWD_OVERLAP", "1")
     return request.param
 
 
@@ -43,6 +44,7 @@ def test_cuda_hopper_forward_is_selected_on_sm90():
     if torch.cuda.get_device_capability() != (9, 0) or "90a" not in ncp.build_info()["cuda_archs"].split(";"):
         pytest.skip("needs an sm_90a build on a compute capability 9.0 device")
     assert _C.sink_attn_fwd_variant() == 4
+    assert _C.sink_attn_bwd_variant() == 4
 
 
 def _grads(out, tensors, dout):
@@ -157,7 +159,7 @@ def test_cuda_strided_views_of_packed_qkv(d, window, ncp_seed, fwd_kernel):
     assert_close_to_ref_ulp(lse, ref_lse, lp_lse.double(), name="lse", magnitude_floor=1.0)
 
 
-def test_cuda_backward_is_deterministic(ncp_seed):
+def test_cuda_backward_is_deterministic(ncp_seed, fwd_kernel):
     g = torch.Generator().manual_seed(ncp_seed)
     lengths = doc_lengths(4096, "random", mean=700, generator=g)
     c = make_attention_case(lengths, 16, 2, 128, device=DEV, generator=g, requires_grad=True)

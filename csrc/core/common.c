@@ -34,4 +34,5 @@ int32_t ncp_sink_attn_bwd_n_part(int32_t Tq) { return Tq <= 0 ? 1 : (Tq + NCP_BW
 
 #ifndef NCP_WITH_CUDA
 int ncp_sink_attn_fwd_variant(void) { return 0; }
+int ncp_sink_attn_bwd_variant(void) { return 0; }
 #endif

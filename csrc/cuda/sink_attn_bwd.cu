@@ -20,9 +20,12 @@
  * Versions: v1 (this). Measured: BENCHMARKS.md.
  * Test: pytest tests/test_sink_attention_cuda.py   Bench: python benchmarks/bench_sink_attention.py
  */
+#include <stdlib.h>
+
 #include "ncp/ncp_check.h"
 #include "ncp_internal.h"
 #include "sink_attn_common.cuh"
+#include "sm90_common.cuh"
 
 extern "C" ncp_status ncp_sink_attn_check_vector_access(const ncp_sink_attn_params *p);
 
@@ -462,6 +465,7 @@ template <typename T, int D> ncp_status launch(const ncp_sink_attn_bwd_params &b
         dsink_reduce_kernel<<<(p.Hq + 127) / 128, 128, 0, s>>>(b, n_part);
         NCP_CUDA_CHECK(cudaGetLastError());
     }
+    if (p.q_pos == nullptr && ncp_sink_attn_bwd_variant() == 4) return ncp_sink_attn_bwd_sm90(&b, s);
     constexpr int kv_bytes = dkdv_smem_bytes<D>(), q_bytes = dq_smem_bytes<D>();
     auto kv_kernel = bwd_dkdv_kernel<T, D>;
     auto q_kernel = bwd_dq_kernel<T, D>;
@@ -480,6 +484,12 @@ template <typename T, int D> ncp_status launch(const ncp_sink_attn_bwd_params &b
 
 }  // namespace
 }  // namespace ncp
+
+extern "C" int ncp_sink_attn_bwd_variant(void) {
+    const char *e = getenv("NCP_BWD_VARIANT"); /* per call: tests switch kernels in one process */
+    if (e != nullptr && e[0] == '1' && e[1] == 0) return 1;
+    return ncp_sm90_usable() ? 4 : 1;
+}
 
 extern "C" ncp_status ncp_sink_attn_bwd_cuda(const ncp_sink_attn_bwd_params *b, void *stream) {
     NCP_TRY(ncp_sink_attn_bwd_check(b, 1));

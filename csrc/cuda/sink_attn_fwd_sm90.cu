@@ -16,8 +16,9 @@
  * heaviest tiles first. The epilogue stages O through the warpgroup's own Q rows in shared memory
  * for 16-byte stores.
  *
- * Versions: v1 (this): softmax of tile it overlaps P V of tile it-1 within each consumer
- * warpgroup. Measured: BENCHMARKS.md.
+ * Versions: v1 (default): each warpgroup waits for S, then for P V; the two consumer warpgroups
+ * overlap each other. v1-overlap (NCP_SM90_FWD_OVERLAP=1): the softmax of tile it overlaps P V of
+ * tile it-1 inside a warpgroup; slower on the H200 so far. Measured: BENCHMARKS.md.
  * Test: pytest tests/test_sink_attention_cuda.py   Bench: python benchmarks/bench_sink_attention.py
  */
 #include <stdlib.h>
@@ -231,7 +232,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     };
 
     sm90::mbar_wait(bar_q, 0);
-    if (!OVERLAP) { /* reference schedule: every MMA waited for at once (NCP_SM90_FWD_SIMPLE=1) */
+    if (!OVERLAP) { /* default schedule: each MMA batch waited for at once */
         for (int it = 0; it < n_it; ++it) {
             const int s = it % kStages;
             float sc[BN / 2], corr[2];
@@ -347,9 +348,9 @@ template <typename T, int D, bool OVERLAP> ncp_status launch_mode(const ncp_sink
 }
 
 template <typename T, int D> ncp_status launch_any(const ncp_sink_attn_params &p, cudaStream_t s) {
-    const char *e = getenv("NCP_SM90_FWD_SIMPLE");
-    if (e != nullptr && e[0] == '1') return launch_mode<T, D, false>(p, s);
-    return launch_mode<T, D, true>(p, s);
+    const char *e = getenv("NCP_SM90_FWD_OVERLAP"); /* slower on the H200 so far: BENCHMARKS.md */
+    if (e != nullptr && e[0] == '1') return launch_mode<T, D, true>(p, s);
+    return launch_mode<T, D, false>(p, s);
 }
 
 }  // namespace

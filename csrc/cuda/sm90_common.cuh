@@ -114,5 +114,7 @@ ncp_status ncp_sm90_tensor_map(CUtensorMap *map, const void *base, int T, int H,
 int ncp_sm90_usable(void);
 /* Hopper forward (sink_attn_fwd_sm90.cu); p already validated, ncp_sm90_usable() true. */
 extern "C" ncp_status ncp_sink_attn_fwd_sm90(const ncp_sink_attn_params *p, void *stream);
+/* Hopper dK/dV and dQ kernels (sink_attn_bwd_sm90.cu), contiguous mode, after the pre-pass. */
+extern "C" ncp_status ncp_sink_attn_bwd_sm90(const ncp_sink_attn_bwd_params *b, void *stream);
 
 #endif /* NCP_SM90_COMMON_CUH */

@@ -240,6 +240,12 @@ static PyObject *py_sink_attn_fwd_variant(PyObject *m, PyObject *noargs) {
     return PyLong_FromLong(ncp_sink_attn_fwd_variant());
 }
 
+static PyObject *py_sink_attn_bwd_variant(PyObject *m, PyObject *noargs) {
+    (void)m;
+    (void)noargs;
+    return PyLong_FromLong(ncp_sink_attn_bwd_variant());
+}
+
 static PyMethodDef methods[] = {
     {"thd_partition", (PyCFunction)(void (*)(void))py_thd_partition, METH_FASTCALL,
      "thd_partition(cu_seqlens, out, total_tokens, cp_size, cp_rank, stream): TE's DualChunkSwap indices."},
@@ -267,6 +273,8 @@ static PyMethodDef methods[] = {
     {"build_info", py_build_info, METH_NOARGS, "build_info() -> dict describing this build."},
     {"sink_attn_fwd_variant", py_sink_attn_fwd_variant, METH_NOARGS,
      "sink_attn_fwd_variant() -> CUDA forward kernel on the current device (4 Hopper, 1-3 portable, 0 none)."},
+    {"sink_attn_bwd_variant", py_sink_attn_bwd_variant, METH_NOARGS,
+     "sink_attn_bwd_variant() -> CUDA backward kernels, contiguous mode (4 Hopper, 1 portable, 0 none)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -208,6 +208,9 @@ int32_t ncp_sink_attn_bwd_n_part(int32_t Tq);
  * build on compute capability 9.0), 1-3 = the portable mma.sync layouts, 0 = no CUDA build.
  * NCP_FWD_VARIANT=1..4 in the environment picks one (4 falls back to 3 where unusable). */
 int ncp_sink_attn_fwd_variant(void);
+/* Which CUDA backward kernels a contiguous-mode call runs: 4 = Hopper dK/dV and dQ, 1 = portable,
+ * 0 = no CUDA build. NCP_BWD_VARIANT=1 forces the portable ones. Positions mode is always 1. */
+int ncp_sink_attn_bwd_variant(void);
 
 /* ------------------------------------------------------------------------------------------ */
 /* Magi dispatch and Flint CP plans (host)                                                     */

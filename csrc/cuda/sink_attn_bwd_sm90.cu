@@ -1,0 +1,441 @@
+/*
+ * cuda/sink_attn_bwd_sm90.cu: learned-sink attention backward for Hopper (sm_90a), contiguous
+ * mode: TMA + wgmma, warp-specialized like sink_attn_fwd_sm90.cu (one producer warpgroup issuing
+ * TMA into mbarrier-guarded stages, two consumer warpgroups with setmaxnreg). Deterministic: no
+ * atomics; dK/dV and dQ come from two kernels, as in the portable backward (sink_attn_bwd.cu),
+ * which still runs the pre-pass (Delta = rowsum(dO * O) and the dsink partials) before these.
+ *
+ * In the log2 domain with x = s log2(e) <q, k>:  P = 2^(x - lse log2(e)) on visible pairs,
+ *   dS = P (dP - Delta),  dP = dO V^T,  dV = sum P^T dO,  dK = s sum dS^T Q,  dQ = s sum dS K.
+ *
+ * dK/dV kernel: CTA = 128 keys of one kv head (64 per consumer warpgroup), K and V stationary in
+ *   shared memory; it walks (query head of the group, q tile of 64 rows) over the q tiles that see
+ *   a key of the CTA, streaming Q and dO tiles. Per tile and warpgroup: S^T = K Q^T and
+ *   dP^T = V dO^T (A and B from shared memory), P^T and dS^T in registers, then dV += P^T dO and
+ *   dK += dS^T Q (A from registers, B MN-major from shared memory).
+ * dQ kernel: CTA = 128 query rows of one head (64 per consumer warpgroup), Q and dO stationary;
+ *   it walks the kv tiles of 64 keys the rows see (as the forward), streaming K and V:
+ *   S = Q K^T, dP = dO V^T, then dQ += dS K.
+ * Positions mode (Flint CP) keeps the portable kernels.
+ *
+ * Versions: v1 (this). Measured: BENCHMARKS.md.
+ * Test: pytest tests/test_sink_attention_cuda.py   Bench: python benchmarks/bench_sink_attention.py
+ */
+#include <stdlib.h>
+
+#include "ncp/ncp_check.h"
+#include "ncp_internal.h"
+#include "sink_attn_common.cuh"
+#include "sm90_common.cuh"
+#include "sm90_wgmma.cuh"
+
+namespace ncp {
+namespace {
+
+constexpr int kThreads = 384; /* producer + 2 consumer warpgroups */
+constexpr int kStages = 2;
+constexpr int KVB = 128;      /* dK/dV kernel: keys per CTA */
+constexpr int KQB = 64;       /* dK/dV kernel: q rows per streamed tile */
+constexpr int QQB = 128;      /* dQ kernel: q rows per CTA */
+constexpr int QKB = 64;       /* dQ kernel: keys per streamed tile */
+
+/* Shared layout of both kernels: two stationary tiles of SR rows, kStages x two streamed tiles of
+ * TR rows, then the mbarriers: stat_full, a_full[S], b_full[S], empty[S]. */
+template <int D, int SR, int TR> struct bwd_layout {
+    static constexpr int stat_bytes = SR * D * 2;
+    static constexpr int tile_bytes = TR * D * 2;
+    static constexpr int s1_off = stat_bytes;
+    static constexpr int a_off = 2 * stat_bytes;
+    static constexpr int b_off = a_off + kStages * tile_bytes;
+    static constexpr int bar_off = b_off + kStages * tile_bytes;
+    static constexpr int bytes = bar_off + (1 + 3 * kStages) * 8 + 1024;
+};
+
+#ifdef NCP_SM90_DEVICE
+struct bars {
+    uint32_t base;
+    __device__ uint32_t stat() const { return base; }
+    __device__ uint32_t a(int s) const { return base + 8u * (1 + s); }
+    __device__ uint32_t b(int s) const { return base + 8u * (1 + kStages + s); }
+    __device__ uint32_t e(int s) const { return base + 8u * (1 + 2 * kStages + s); }
+    __device__ void init() const {
+        sm90::mbar_init(stat(), 1);
+        for (int s = 0; s < kStages; ++s) {
+            sm90::mbar_init(a(s), 1);
+            sm90::mbar_init(b(s), 1);
+            sm90::mbar_init(e(s), 8); /* one arrival per consumer warp */
+        }
+        sm90::mbar_fence_init();
+    }
+};
+
+/* Stores a warpgroup's 64 x D fp32 accumulator tile (times mul) as T rows [r0, r0 + 64) of dst,
+ * staged through rows [srow0, srow0 + 64) of the 128B-swizzled shared tile `stage` of SR rows. */
+template <typename T, int D, int SR>
+__device__ __forceinline__ void store_rows(const float *acc, float mul, uint32_t stage, int srow0, T *dst, int64_t st,
+                                           int r0, int n_rows, int cw) {
+    const int tid = threadIdx.x & 127, lane = tid & 31, warp = tid >> 5, gq = lane >> 2, tq = lane & 3;
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const uint32_t v = elem<T>::pack(acc[4 * j + 2 * r] * mul, acc[4 * j + 2 * r + 1] * mul);
+            const uint32_t addr = stage + sm90::sw128_offset(SR, srow0 + 16 * warp + gq + 8 * r, 8 * j + 2 * tq);
+            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v));
+        }
+    sm90::named_sync(1 + cw, 128);
+    constexpr int kChunks = D / 8;
+    for (int i = tid; i < 64 * kChunks; i += 128) {
+        const int row = i / kChunks, chunk = i % kChunks, g = r0 + row;
+        if (g >= n_rows) continue;
+        uint4 v;
+        asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];\n"
+                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                     : "r"(stage + sm90::sw128_offset(SR, srow0 + row, chunk * 8)));
+        *reinterpret_cast<uint4 *>(dst + (int64_t)g * st + chunk * 8) = v;
+    }
+    sm90::named_sync(1 + cw, 128);
+}
+#endif
+
+template <typename T, int N> __device__ __forceinline__ void to_frags(uint32_t (*f)[4], const float *x) {
+#pragma unroll
+    for (int kk = 0; kk < N / 16; ++kk) {
+        f[kk][0] = elem<T>::pack(x[8 * kk + 0], x[8 * kk + 1]);
+        f[kk][1] = elem<T>::pack(x[8 * kk + 2], x[8 * kk + 3]);
+        f[kk][2] = elem<T>::pack(x[8 * kk + 4], x[8 * kk + 5]);
+        f[kk][3] = elem<T>::pack(x[8 * kk + 6], x[8 * kk + 7]);
+    }
+}
+
+/* ======================================================================================== */
+/* dK / dV                                                                                   */
+/* ======================================================================================== */
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads, 1)
+    bwd_dkdv_sm90_kernel(const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
+                         const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_do,
+                         const ncp_sink_attn_bwd_params b) {
+#ifdef NCP_SM90_DEVICE
+    using L = bwd_layout<D, KVB, KQB>;
+    const ncp_sink_attn_params &p = b.f;
+    extern __shared__ unsigned char smem_raw[];
+    const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
+    const uint32_t sK = base, sV = base + L::s1_off, sQ0 = base + L::a_off, sO0 = base + L::b_off;
+    const bars bar{base + L::bar_off};
+    const int tid = threadIdx.x, wg = tid / 128, lane = tid & 31;
+    const int g_kv = blockIdx.x, k0 = blockIdx.y * KVB, G = p.Hq / p.Hkv;
+    if (tid == 0) bar.init();
+    __syncthreads();
+
+    /* q tiles that see a key of [k0, k0 + KVB): rows k0 .. doc end / window reach */
+    const int k_last = min(k0 + KVB, p.Tk) - 1;
+    int q_hi = doc_end(p.cu_seqlens, p.n_cu, k_last, p.Tq) - 1;
+    if (p.window > 0) q_hi = min(q_hi, k_last + p.window - 1);
+    q_hi = min(q_hi, p.Tq - 1);
+    const int qt_lo = k0 / KQB, n_q = max(0, q_hi / KQB - qt_lo + 1), n_it = n_q * G;
+
+    if (wg == 0) {
+        sm90::reg_dealloc<24>();
+        if (tid == 0) {
+            sm90::mbar_expect_tx(bar.stat(), 2 * L::stat_bytes);
+#pragma unroll
+            for (int cb = 0; cb < D / 64; ++cb) {
+                sm90::tma_load_3d(sK + cb * KVB * 128, &tm_k, cb * 64, g_kv, k0, bar.stat());
+                sm90::tma_load_3d(sV + cb * KVB * 128, &tm_v, cb * 64, g_kv, k0, bar.stat());
+            }
+            for (int it = 0; it < n_it; ++it) {
+                const int s = it % kStages, h = g_kv * G + it / n_q, q0 = (qt_lo + it % n_q) * KQB;
+                if (it >= kStages) sm90::mbar_wait(bar.e(s), ((it / kStages) & 1) ^ 1);
+                const uint32_t sQ = sQ0 + s * L::tile_bytes, sO = sO0 + s * L::tile_bytes;
+                sm90::mbar_expect_tx(bar.a(s), L::tile_bytes);
+#pragma unroll
+                for (int cb = 0; cb < D / 64; ++cb) sm90::tma_load_3d(sQ + cb * KQB * 128, &tm_q, cb * 64, h, q0, bar.a(s));
+                sm90::mbar_expect_tx(bar.b(s), L::tile_bytes);
+#pragma unroll
+                for (int cb = 0; cb < D / 64; ++cb) sm90::tma_load_3d(sO + cb * KQB * 128, &tm_do, cb * 64, h, q0, bar.b(s));
+            }
+        }
+        return;
+    }
+
+    sm90::reg_alloc<240>();
+    const int cw = wg - 1, warp = (tid & 127) >> 5, gq = lane >> 2, tq = lane & 3;
+    const int krow0 = 64 * cw + 16 * warp + gq; /* this thread's key rows krow0, krow0 + 8 of the CTA */
+    int kpos[2], kend[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int k = k0 + krow0 + 8 * r;
+        kpos[r] = k < p.Tk ? k : kNoKey;
+        kend[r] = k < p.Tk ? doc_end(p.cu_seqlens, p.n_cu, k, p.Tq) : 0; /* queries < kend share k's document */
+    }
+    const float scale_log2 = (float)p.scale * kLog2e;
+    float dk[D / 2], dv[D / 2];
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.f;
+    const uint32_t sKw = sK + cw * 64 * 128, sVw = sV + cw * 64 * 128;
+    sm90::mbar_wait(bar.stat(), 0);
+
+    for (int it = 0; it < n_it; ++it) {
+        const int s = it % kStages;
+        const uint32_t ph = (it / kStages) & 1;
+        const int h = g_kv * G + it / n_q, q0 = (qt_lo + it % n_q) * KQB;
+        const uint32_t sQ = sQ0 + s * L::tile_bytes, sO = sO0 + s * L::tile_bytes;
+        const int lo_last = first_key(p.cu_seqlens, p.n_cu, p.window, min(q0 + KQB, p.Tq) - 1);
+        const bool full = q0 + KQB <= p.Tq && k0 + KVB <= p.Tk && k0 + KVB - 1 <= q0 && k0 >= lo_last;
+
+        float st[KQB / 2], dpt[KQB / 2];
+        sm90::mbar_wait(bar.a(s), ph);
+        sm90::fence_regs(st, KQB / 2);
+        sm90::wg_fence();
+#pragma unroll
+        for (int ks = 0; ks < D / 16; ++ks) {
+            const uint64_t da = sm90::desc_kmajor(sKw + (ks >> 2) * KVB * 128 + (ks & 3) * 32);
+            const uint64_t db = sm90::desc_kmajor(sQ + (ks >> 2) * KQB * 128 + (ks & 3) * 32);
+            sm90::wgmma<T, KQB>::template ss<0, 0>(st, da, db, ks > 0);
+        }
+        sm90::wg_commit();
+        sm90::mbar_wait(bar.b(s), ph);
+        sm90::fence_regs(dpt, KQB / 2);
+        sm90::wg_fence();
+#pragma unroll
+        for (int ks = 0; ks < D / 16; ++ks) {
+            const uint64_t da = sm90::desc_kmajor(sVw + (ks >> 2) * KVB * 128 + (ks & 3) * 32);
+            const uint64_t db = sm90::desc_kmajor(sO + (ks >> 2) * KQB * 128 + (ks & 3) * 32);
+            sm90::wgmma<T, KQB>::template ss<0, 0>(dpt, da, db, ks > 0);
+        }
+        sm90::wg_commit();
+        sm90::wg_wait<0>();
+        sm90::fence_regs(st, KQB / 2);
+        sm90::fence_regs(dpt, KQB / 2);
+
+        /* P^T and dS^T: columns are queries q0 + 8j + 2tq + (e & 1), rows the two keys */
+        const float *lse_h = p.lse + (int64_t)h * p.Tq;
+        const float *dl_h = b.delta + (int64_t)h * p.Tq;
+#pragma unroll
+        for (int j = 0; j < KQB / 8; ++j)
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+                const int q = q0 + 8 * j + 2 * tq + c;
+                const bool q_ok = q < p.Tq;
+                const float l2 = q_ok ? __ldg(lse_h + q) * kLog2e : 0.f;
+                const float dl = q_ok ? __ldg(dl_h + q) : 0.f;
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const int e = 2 * r + c;
+                    bool vis = true;
+                    if (!full)
+                        vis = q_ok && kpos[r] <= q && q < kend[r] && (p.window <= 0 || q - kpos[r] < p.window);
+                    const float pv = vis ? ex2(st[4 * j + e] * scale_log2 - l2) : 0.f;
+                    st[4 * j + e] = pv;
+                    dpt[4 * j + e] = pv * (dpt[4 * j + e] - dl);
+                }
+            }
+        uint32_t pf[KQB / 16][4], df[KQB / 16][4];
+        to_frags<T, KQB>(pf, st);
+        to_frags<T, KQB>(df, dpt);
+
+        /* dV += P^T dO,  dK += dS^T Q */
+        sm90::fence_regs(dv, D / 2);
+        sm90::fence_regs(dk, D / 2);
+        sm90::wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < KQB / 16; ++kk)
+            sm90::wgmma<T, D>::template rs<1>(dv, pf[kk], sm90::desc_mnmajor(sO + kk * 16 * 128, KQB * 128), 1);
+#pragma unroll
+        for (int kk = 0; kk < KQB / 16; ++kk)
+            sm90::wgmma<T, D>::template rs<1>(dk, df[kk], sm90::desc_mnmajor(sQ + kk * 16 * 128, KQB * 128), 1);
+        sm90::wg_commit();
+        sm90::wg_wait<0>();
+        sm90::fence_regs(dv, D / 2);
+        sm90::fence_regs(dk, D / 2);
+#pragma unroll
+        for (int kk = 0; kk < KQB / 16; ++kk)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(pf[kk][e]), "+r"(df[kk][e])::"memory");
+        if (lane == 0) sm90::mbar_arrive(bar.e(s));
+    }
+
+    /* rows of this warpgroup in sK / sV are free once its MMAs are done: stage dK, dV there */
+    store_rows<T, D, KVB>(dk, (float)p.scale, sK, 64 * cw, reinterpret_cast<T *>(b.dk) + (int64_t)g_kv * b.dk_sh, b.dk_st,
+                          k0 + 64 * cw, p.Tk, cw);
+    store_rows<T, D, KVB>(dv, 1.f, sV, 64 * cw, reinterpret_cast<T *>(b.dv) + (int64_t)g_kv * b.dv_sh, b.dv_st,
+                          k0 + 64 * cw, p.Tk, cw);
+#else
+    __trap(); /* never launched: the host only picks this kernel on sm_90a builds and devices */
+#endif
+}
+
+/* ======================================================================================== */
+/* dQ                                                                                        */
+/* ======================================================================================== */
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads, 1)
+    bwd_dq_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_do,
+                       const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
+                       const ncp_sink_attn_bwd_params b) {
+#ifdef NCP_SM90_DEVICE
+    using L = bwd_layout<D, QQB, QKB>;
+    const ncp_sink_attn_params &p = b.f;
+    extern __shared__ unsigned char smem_raw[];
+    const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
+    const uint32_t sQ = base, sO = base + L::s1_off, sK0 = base + L::a_off, sV0 = base + L::b_off;
+    const bars bar{base + L::bar_off};
+    const int tid = threadIdx.x, wg = tid / 128, lane = tid & 31;
+    const int h = blockIdx.x, g_kv = h / (p.Hq / p.Hkv);
+    const int tile = gridDim.y - 1 - blockIdx.y, q0 = tile * QQB;
+    if (tid == 0) bar.init();
+    __syncthreads();
+
+    const q_tile_range rng = contiguous_q_range(p, q0, QQB, QKB);
+    const int n_it = max(0, rng.kt_hi - rng.kt_lo + 1);
+
+    if (wg == 0) {
+        sm90::reg_dealloc<24>();
+        if (tid == 0) {
+            sm90::mbar_expect_tx(bar.stat(), 2 * L::stat_bytes);
+#pragma unroll
+            for (int cb = 0; cb < D / 64; ++cb) {
+                sm90::tma_load_3d(sQ + cb * QQB * 128, &tm_q, cb * 64, h, q0, bar.stat());
+                sm90::tma_load_3d(sO + cb * QQB * 128, &tm_do, cb * 64, h, q0, bar.stat());
+            }
+            for (int it = 0; it < n_it; ++it) {
+                const int s = it % kStages, kt = rng.kt_hi - it;
+                if (it >= kStages) sm90::mbar_wait(bar.e(s), ((it / kStages) & 1) ^ 1);
+                const uint32_t sK = sK0 + s * L::tile_bytes, sV = sV0 + s * L::tile_bytes;
+                sm90::mbar_expect_tx(bar.a(s), L::tile_bytes);
+#pragma unroll
+                for (int cb = 0; cb < D / 64; ++cb) sm90::tma_load_3d(sK + cb * QKB * 128, &tm_k, cb * 64, g_kv, kt * QKB, bar.a(s));
+                sm90::mbar_expect_tx(bar.b(s), L::tile_bytes);
+#pragma unroll
+                for (int cb = 0; cb < D / 64; ++cb) sm90::tma_load_3d(sV + cb * QKB * 128, &tm_v, cb * 64, g_kv, kt * QKB, bar.b(s));
+            }
+        }
+        return;
+    }
+
+    sm90::reg_alloc<240>();
+    const int cw = wg - 1, warp = (tid & 127) >> 5, gq = lane >> 2, tq = lane & 3;
+    const int row0 = 64 * cw + 16 * warp + gq;
+    int qpos[2], qlo[2];
+    float l2[2], dl[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int i = q0 + row0 + 8 * r;
+        row_bounds(p, i, qpos[r], qlo[r]);
+        l2[r] = i < p.Tq ? __ldg(p.lse + (int64_t)h * p.Tq + i) * kLog2e : 0.f;
+        dl[r] = i < p.Tq ? __ldg(b.delta + (int64_t)h * p.Tq + i) : 0.f;
+    }
+    const float scale_log2 = (float)p.scale * kLog2e;
+    float dq[D / 2];
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) dq[i] = 0.f;
+    const uint32_t sQw = sQ + cw * 64 * 128, sOw = sO + cw * 64 * 128;
+    sm90::mbar_wait(bar.stat(), 0);
+
+    for (int it = 0; it < n_it; ++it) {
+        const int s = it % kStages, kt = rng.kt_hi - it;
+        const uint32_t ph = (it / kStages) & 1;
+        const bool full = contiguous_full(p, rng, kt, QKB);
+        const uint32_t sK = sK0 + s * L::tile_bytes, sV = sV0 + s * L::tile_bytes;
+
+        float sc[QKB / 2], dp[QKB / 2];
+        sm90::mbar_wait(bar.a(s), ph);
+        sm90::fence_regs(sc, QKB / 2);
+        sm90::wg_fence();
+#pragma unroll
+        for (int ks = 0; ks < D / 16; ++ks) {
+            const uint64_t da = sm90::desc_kmajor(sQw + (ks >> 2) * QQB * 128 + (ks & 3) * 32);
+            const uint64_t db = sm90::desc_kmajor(sK + (ks >> 2) * QKB * 128 + (ks & 3) * 32);
+            sm90::wgmma<T, QKB>::template ss<0, 0>(sc, da, db, ks > 0);
+        }
+        sm90::wg_commit();
+        sm90::mbar_wait(bar.b(s), ph);
+        sm90::fence_regs(dp, QKB / 2);
+        sm90::wg_fence();
+#pragma unroll
+        for (int ks = 0; ks < D / 16; ++ks) {
+            const uint64_t da = sm90::desc_kmajor(sOw + (ks >> 2) * QQB * 128 + (ks & 3) * 32);
+            const uint64_t db = sm90::desc_kmajor(sV + (ks >> 2) * QKB * 128 + (ks & 3) * 32);
+            sm90::wgmma<T, QKB>::template ss<0, 0>(dp, da, db, ks > 0);
+        }
+        sm90::wg_commit();
+        sm90::wg_wait<0>();
+        sm90::fence_regs(sc, QKB / 2);
+        sm90::fence_regs(dp, QKB / 2);
+
+#pragma unroll
+        for (int j = 0; j < QKB / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int r = e >> 1;
+                bool vis = true;
+                if (!full) {
+                    const int kj = kt * QKB + 8 * j + 2 * tq + (e & 1);
+                    vis = kj < p.Tk && kj >= qlo[r] && kj <= qpos[r];
+                }
+                const float pv = vis ? ex2(sc[4 * j + e] * scale_log2 - l2[r]) : 0.f;
+                dp[4 * j + e] = pv * (dp[4 * j + e] - dl[r]);
+            }
+        uint32_t df[QKB / 16][4];
+        to_frags<T, QKB>(df, dp);
+        sm90::fence_regs(dq, D / 2);
+        sm90::wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < QKB / 16; ++kk)
+            sm90::wgmma<T, D>::template rs<1>(dq, df[kk], sm90::desc_mnmajor(sK + kk * 16 * 128, QKB * 128), 1);
+        sm90::wg_commit();
+        sm90::wg_wait<0>();
+        sm90::fence_regs(dq, D / 2);
+#pragma unroll
+        for (int kk = 0; kk < QKB / 16; ++kk)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(df[kk][e])::"memory");
+        if (lane == 0) sm90::mbar_arrive(bar.e(s));
+    }
+    store_rows<T, D, QQB>(dq, (float)p.scale, sQ, 64 * cw, reinterpret_cast<T *>(b.dq) + (int64_t)h * b.dq_sh, b.dq_st,
+                          q0 + 64 * cw, p.Tq, cw);
+#else
+    __trap(); /* never launched: the host only picks this kernel on sm_90a builds and devices */
+#endif
+}
+
+template <typename T, int D> ncp_status launch(const ncp_sink_attn_bwd_params &b, cudaStream_t stream) {
+    const ncp_sink_attn_params &p = b.f;
+    if (p.Tk > 0) {
+        CUtensorMap tk, tv, tq, tdo;
+        NCP_TRY(ncp_sm90_tensor_map(&tk, p.k, p.Tk, p.Hkv, D, p.k_st, p.k_sh, KVB));
+        NCP_TRY(ncp_sm90_tensor_map(&tv, p.v, p.Tk, p.Hkv, D, p.v_st, p.v_sh, KVB));
+        NCP_TRY(ncp_sm90_tensor_map(&tq, p.q, p.Tq, p.Hq, D, p.q_st, p.q_sh, KQB));
+        NCP_TRY(ncp_sm90_tensor_map(&tdo, b.dout, p.Tq, p.Hq, D, b.do_st, b.do_sh, KQB));
+        constexpr int bytes = bwd_layout<D, KVB, KQB>::bytes;
+        auto kernel = bwd_dkdv_sm90_kernel<T, D>;
+        NCP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+        kernel<<<dim3(p.Hkv, (p.Tk + KVB - 1) / KVB), kThreads, bytes, stream>>>(tk, tv, tq, tdo, b);
+        NCP_CUDA_CHECK(cudaGetLastError());
+    }
+    if (p.Tq > 0) {
+        CUtensorMap tq, tdo, tk, tv;
+        NCP_TRY(ncp_sm90_tensor_map(&tq, p.q, p.Tq, p.Hq, D, p.q_st, p.q_sh, QQB));
+        NCP_TRY(ncp_sm90_tensor_map(&tdo, b.dout, p.Tq, p.Hq, D, b.do_st, b.do_sh, QQB));
+        NCP_TRY(ncp_sm90_tensor_map(&tk, p.k, p.Tk, p.Hkv, D, p.k_st, p.k_sh, QKB));
+        NCP_TRY(ncp_sm90_tensor_map(&tv, p.v, p.Tk, p.Hkv, D, p.v_st, p.v_sh, QKB));
+        constexpr int bytes = bwd_layout<D, QQB, QKB>::bytes;
+        auto kernel = bwd_dq_sm90_kernel<T, D>;
+        NCP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+        kernel<<<dim3(p.Hq, (p.Tq + QQB - 1) / QQB), kThreads, bytes, stream>>>(tq, tdo, tk, tv, b);
+        NCP_CUDA_CHECK(cudaGetLastError());
+    }
+    return NCP_OK;
+}
+
+}  // namespace
+}  // namespace ncp
+
+/* dK/dV and dQ on Hopper after the portable pre-pass; contiguous mode, ncp_sm90_usable() true. */
+extern "C" ncp_status ncp_sink_attn_bwd_sm90(const ncp_sink_attn_bwd_params *b, void *stream) {
+    cudaStream_t s = (cudaStream_t)stream;
+    const bool bf16 = b->f.dtype == NCP_DT_BF16;
+    if (b->f.D == 64) return bf16 ? ncp::launch<__nv_bfloat16, 64>(*b, s) : ncp::launch<__half, 64>(*b, s);
+    return bf16 ? ncp::launch<__nv_bfloat16, 128>(*b, s) : ncp::launch<__half, 128>(*b, s);
+}
