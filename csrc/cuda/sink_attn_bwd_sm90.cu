@@ -33,14 +33,15 @@ namespace ncp {
 namespace {
 
 constexpr int kThreads = 384; /* producer + 2 consumer warpgroups */
-constexpr int kStages = 2;
+constexpr int kStages = 3;
 constexpr int KVB = 128;      /* dK/dV kernel: keys per CTA */
 constexpr int KQB = 64;       /* dK/dV kernel: q rows per streamed tile */
 constexpr int QQB = 128;      /* dQ kernel: q rows per CTA */
 constexpr int QKB = 64;       /* dQ kernel: keys per streamed tile */
 
 /* Shared layout of both kernels: two stationary tiles of SR rows, kStages x two streamed tiles of
- * TR rows, then the mbarriers: stat_full, a_full[S], b_full[S], empty[S]. */
+ * TR rows, the mbarriers (stat_full, a_full[S], b_full[S], empty[S]), then kStages x TR floats of
+ * lse * log2(e) and of Delta for the streamed q tiles (dK/dV kernel). */
 template <int D, int SR, int TR> struct bwd_layout {
     static constexpr int stat_bytes = SR * D * 2;
     static constexpr int tile_bytes = TR * D * 2;
@@ -48,7 +49,8 @@ template <int D, int SR, int TR> struct bwd_layout {
     static constexpr int a_off = 2 * stat_bytes;
     static constexpr int b_off = a_off + kStages * tile_bytes;
     static constexpr int bar_off = b_off + kStages * tile_bytes;
-    static constexpr int bytes = bar_off + (1 + 3 * kStages) * 8 + 1024;
+    static constexpr int vec_off = bar_off + 128;
+    static constexpr int bytes = vec_off + 2 * kStages * TR * 4 + 1024;
 };
 
 #ifdef NCP_SM90_DEVICE
@@ -58,10 +60,10 @@ struct bars {
     __device__ uint32_t a(int s) const { return base + 8u * (1 + s); }
     __device__ uint32_t b(int s) const { return base + 8u * (1 + kStages + s); }
     __device__ uint32_t e(int s) const { return base + 8u * (1 + 2 * kStages + s); }
-    __device__ void init() const {
+    __device__ void init(int a_arrivals) const {
         sm90::mbar_init(stat(), 1);
         for (int s = 0; s < kStages; ++s) {
-            sm90::mbar_init(a(s), 1);
+            sm90::mbar_init(a(s), a_arrivals);
             sm90::mbar_init(b(s), 1);
             sm90::mbar_init(e(s), 8); /* one arrival per consumer warp */
         }
@@ -123,9 +125,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
     const uint32_t sK = base, sV = base + L::s1_off, sQ0 = base + L::a_off, sO0 = base + L::b_off;
     const bars bar{base + L::bar_off};
+    float *s_l2 = reinterpret_cast<float *>(smem_raw + (base - smem_u32(smem_raw)) + L::vec_off); /* [S][KQB] */
+    float *s_dl = s_l2 + kStages * KQB;
     const int tid = threadIdx.x, wg = tid / 128, lane = tid & 31;
     const int g_kv = blockIdx.x, k0 = blockIdx.y * KVB, G = p.Hq / p.Hkv;
-    if (tid == 0) bar.init();
+    if (tid == 0) bar.init(2); /* a_full: the TMA thread and the lse/Delta warp */
     __syncthreads();
 
     /* q tiles that see a key of [k0, k0 + KVB): rows k0 .. doc end / window reach */
@@ -155,6 +159,20 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
                 for (int cb = 0; cb < D / 64; ++cb) sm90::tma_load_3d(sO + cb * KQB * 128, &tm_do, cb * 64, h, q0, bar.b(s));
             }
+        } else if (tid >> 5 == 1) {
+            /* warp 1: lse * log2(e) and Delta of each streamed q tile into shared memory */
+            for (int it = 0; it < n_it; ++it) {
+                const int s = it % kStages, h = g_kv * G + it / n_q, q0 = (qt_lo + it % n_q) * KQB;
+                if (it >= kStages) sm90::mbar_wait(bar.e(s), ((it / kStages) & 1) ^ 1);
+                for (int c = lane; c < KQB; c += 32) {
+                    const int q = q0 + c;
+                    const bool ok = q < p.Tq;
+                    s_l2[s * KQB + c] = ok ? __ldg(p.lse + (int64_t)h * p.Tq + q) * kLog2e : 0.f;
+                    s_dl[s * KQB + c] = ok ? __ldg(b.delta + (int64_t)h * p.Tq + q) : 0.f;
+                }
+                __syncwarp();
+                if (lane == 0) sm90::mbar_arrive(bar.a(s));
+            }
         }
         return;
     }
@@ -179,7 +197,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int it = 0; it < n_it; ++it) {
         const int s = it % kStages;
         const uint32_t ph = (it / kStages) & 1;
-        const int h = g_kv * G + it / n_q, q0 = (qt_lo + it % n_q) * KQB;
+        const int q0 = (qt_lo + it % n_q) * KQB;
         const uint32_t sQ = sQ0 + s * L::tile_bytes, sO = sO0 + s * L::tile_bytes;
         const int lo_last = first_key(p.cu_seqlens, p.n_cu, p.window, min(q0 + KQB, p.Tq) - 1);
         const bool full = q0 + KQB <= p.Tq && k0 + KVB <= p.Tk && k0 + KVB - 1 <= q0 && k0 >= lo_last;
@@ -210,16 +228,14 @@ __global__ void __launch_bounds__(kThreads, 1)
         sm90::fence_regs(dpt, KQB / 2);
 
         /* P^T and dS^T: columns are queries q0 + 8j + 2tq + (e & 1), rows the two keys */
-        const float *lse_h = p.lse + (int64_t)h * p.Tq;
-        const float *dl_h = b.delta + (int64_t)h * p.Tq;
 #pragma unroll
         for (int j = 0; j < KQB / 8; ++j)
 #pragma unroll
             for (int c = 0; c < 2; ++c) {
                 const int q = q0 + 8 * j + 2 * tq + c;
                 const bool q_ok = q < p.Tq;
-                const float l2 = q_ok ? __ldg(lse_h + q) * kLog2e : 0.f;
-                const float dl = q_ok ? __ldg(dl_h + q) : 0.f;
+                const float l2 = s_l2[s * KQB + 8 * j + 2 * tq + c];
+                const float dl = s_dl[s * KQB + 8 * j + 2 * tq + c];
 #pragma unroll
                 for (int r = 0; r < 2; ++r) {
                     const int e = 2 * r + c;
@@ -284,7 +300,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int tid = threadIdx.x, wg = tid / 128, lane = tid & 31;
     const int h = blockIdx.x, g_kv = h / (p.Hq / p.Hkv);
     const int tile = gridDim.y - 1 - blockIdx.y, q0 = tile * QQB;
-    if (tid == 0) bar.init();
+    if (tid == 0) bar.init(1);
     __syncthreads();
 
     const q_tile_range rng = contiguous_q_range(p, q0, QQB, QKB);
