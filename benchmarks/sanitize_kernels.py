@@ -1,6 +1,6 @@
 """Runs every CUDA kernel once at small sizes, for compute-sanitizer (memcheck, racecheck, synccheck).
 
-    compute-sanitizer --tool memcheck --kernel-regex kns=ncp python benchmarks/sanitize_kernels.py [attention] [mimo]
+    compute-sanitizer --tool memcheck --kernel-regex kns=ncp python benchmarks/sanitize_kernels.py [attention] [mimo] [initprobe]
 Every launch goes through the public Python API, so argument plumbing is exercised as well.
 Odd sizes on purpose: partial tiles, rows past the end, documents shorter than a tile.
 """
@@ -54,6 +54,23 @@ def attention():
         flint.simulate_cp_attention(plans, *loc, c["sink"], window, 64**-0.5, douts)
 
 
+def initcheck_probe():
+    """One small backward twice: dout made by a torch kernel on the GPU, then dout copied from the
+    host. compute-sanitizer --kernel-regex kns=ncp only instruments our kernels; if initcheck flags
+    the first dout but not the second, its reports come from untracked torch writes, not from
+    reads of uninitialized memory."""
+    g = torch.Generator().manual_seed(2)
+    lengths = doc_lengths(333, "random", mean=90, generator=g)
+    c = make_attention_case(lengths, 4, 2, 64, dtype=torch.bfloat16, device="cuda", generator=g, requires_grad=True)
+    for label in ("gpu-made dout", "host-made dout"):
+        print(f"initcheck_probe: {label} begin", flush=True)
+        out = ncp.sink_attention(c["q"], c["k"], c["v"], c["sink"], c["cu_seqlens"], window=0)
+        dout = torch.randn_like(out) if label.startswith("gpu") else torch.randn(out.shape).to("cuda", out.dtype)
+        out.backward(dout)
+        torch.cuda.synchronize()
+        print(f"initcheck_probe: {label} end", flush=True)
+
+
 def mimo():
     g = torch.Generator().manual_seed(1)
     for B, S, C, cp in ((4, 96, 2, 4), (2, 64, 1, 2), (4, 40, 4, 1)):
@@ -74,5 +91,7 @@ if __name__ == "__main__":
         del os.environ["NCP_FWD_VARIANT"]
     if "mimo" in parts:
         mimo()
+    if "initprobe" in parts:
+        initcheck_probe()
     torch.cuda.synchronize()
     print("sanitize_kernels: all kernels ran")
