@@ -96,6 +96,9 @@ def bench_case(name, spec, *, flex: bool, reps: int) -> list[dict]:
     impls = [("ncp", leaves[3], {}, kernel), ("ncp-nosink", None, {}, kernel)]
     if _C.sink_attn_fwd_variant() == 4:  # the other forward kernels on the same card, for comparison
         impls.append(("ncp-sm90-overlap", leaves[3], {"NCP_SM90_FWD_OVERLAP": "1"}, "sm90 fwd, softmax/MMA overlap"))
+    if _C.sink_attn_bwd_variant() == 4:
+        impls.append(("ncp-sm90-bwd-overlap", leaves[3], {"NCP_SM90_BWD_OVERLAP": "1"}, "sm90 dK/dV with MMA overlap"))
+    if _C.sink_attn_fwd_variant() == 4:
         impls.append(("ncp-portable", leaves[3], {"NCP_FWD_VARIANT": "3", "NCP_BWD_VARIANT": "1"}, "mma.sync fwd+bwd"))
     for impl, s, env, note in impls:
         saved = {key: os.environ.get(key) for key in env}

@@ -113,7 +113,7 @@ template <typename T, int N> __device__ __forceinline__ void to_frags(uint32_t (
 /* ======================================================================================== */
 /* dK / dV                                                                                   */
 /* ======================================================================================== */
-template <typename T, int D>
+template <typename T, int D, bool OVERLAP>
 __global__ void __launch_bounds__(kThreads, 1)
     bwd_dkdv_sm90_kernel(const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
                          const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_do,
@@ -194,15 +194,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     const uint32_t sKw = sK + cw * 64 * 128, sVw = sV + cw * 64 * 128;
     sm90::mbar_wait(bar.stat(), 0);
 
-    for (int it = 0; it < n_it; ++it) {
+    /* S^T = K Q^T and dP^T = V dO^T of item it, issued asynchronously */
+    auto issue_sdp = [&](float *st, float *dpt, int it) {
         const int s = it % kStages;
         const uint32_t ph = (it / kStages) & 1;
-        const int q0 = (qt_lo + it % n_q) * KQB;
         const uint32_t sQ = sQ0 + s * L::tile_bytes, sO = sO0 + s * L::tile_bytes;
-        const int lo_last = first_key(p.cu_seqlens, p.n_cu, p.window, min(q0 + KQB, p.Tq) - 1);
-        const bool full = q0 + KQB <= p.Tq && k0 + KVB <= p.Tk && k0 + KVB - 1 <= q0 && k0 >= lo_last;
-
-        float st[KQB / 2], dpt[KQB / 2];
         sm90::mbar_wait(bar.a(s), ph);
         sm90::fence_regs(st, KQB / 2);
         sm90::wg_fence();
@@ -223,11 +219,12 @@ __global__ void __launch_bounds__(kThreads, 1)
             sm90::wgmma<T, KQB>::template ss<0, 0>(dpt, da, db, ks > 0);
         }
         sm90::wg_commit();
-        sm90::wg_wait<0>();
-        sm90::fence_regs(st, KQB / 2);
-        sm90::fence_regs(dpt, KQB / 2);
-
-        /* P^T and dS^T: columns are queries q0 + 8j + 2tq + (e & 1), rows the two keys */
+    };
+    /* P^T and dS^T of item it in place; columns are queries q0 + 8j + 2tq + c, rows the two keys */
+    auto probs = [&](float *st, float *dpt, int it) {
+        const int s = it % kStages, q0 = (qt_lo + it % n_q) * KQB;
+        const int lo_last = first_key(p.cu_seqlens, p.n_cu, p.window, min(q0 + KQB, p.Tq) - 1);
+        const bool full = q0 + KQB <= p.Tq && k0 + KVB <= p.Tk && k0 + KVB - 1 <= q0 && k0 >= lo_last;
 #pragma unroll
         for (int j = 0; j < KQB / 8; ++j)
 #pragma unroll
@@ -247,11 +244,11 @@ __global__ void __launch_bounds__(kThreads, 1)
                     dpt[4 * j + e] = pv * (dpt[4 * j + e] - dl);
                 }
             }
-        uint32_t pf[KQB / 16][4], df[KQB / 16][4];
-        to_frags<T, KQB>(pf, st);
-        to_frags<T, KQB>(df, dpt);
-
-        /* dV += P^T dO,  dK += dS^T Q */
+    };
+    /* dV += P^T dO, dK += dS^T Q of item it, issued asynchronously */
+    auto issue_dkdv = [&](uint32_t (*pf)[4], uint32_t (*df)[4], int it) {
+        const int s = it % kStages;
+        const uint32_t sQ = sQ0 + s * L::tile_bytes, sO = sO0 + s * L::tile_bytes;
         sm90::fence_regs(dv, D / 2);
         sm90::fence_regs(dk, D / 2);
         sm90::wg_fence();
@@ -262,14 +259,57 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int kk = 0; kk < KQB / 16; ++kk)
             sm90::wgmma<T, D>::template rs<1>(dk, df[kk], sm90::desc_mnmajor(sQ + kk * 16 * 128, KQB * 128), 1);
         sm90::wg_commit();
-        sm90::wg_wait<0>();
-        sm90::fence_regs(dv, D / 2);
-        sm90::fence_regs(dk, D / 2);
+    };
+    auto fence_frags = [&](uint32_t (*pf)[4], uint32_t (*df)[4]) {
 #pragma unroll
         for (int kk = 0; kk < KQB / 16; ++kk)
 #pragma unroll
             for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(pf[kk][e]), "+r"(df[kk][e])::"memory");
-        if (lane == 0) sm90::mbar_arrive(bar.e(s));
+    };
+    auto release = [&](int it) {
+        if (lane == 0) sm90::mbar_arrive(bar.e(it % kStages));
+    };
+
+    float st[KQB / 2], dpt[KQB / 2];
+    uint32_t pf[KQB / 16][4], df[KQB / 16][4];
+    if (!OVERLAP) {
+        for (int it = 0; it < n_it; ++it) {
+            issue_sdp(st, dpt, it);
+            sm90::wg_wait<0>();
+            sm90::fence_regs(st, KQB / 2);
+            sm90::fence_regs(dpt, KQB / 2);
+            probs(st, dpt, it);
+            to_frags<T, KQB>(pf, st);
+            to_frags<T, KQB>(df, dpt);
+            issue_dkdv(pf, df, it);
+            sm90::wg_wait<0>();
+            sm90::fence_regs(dv, D / 2);
+            sm90::fence_regs(dk, D / 2);
+            fence_frags(pf, df);
+            release(it);
+        }
+    } else if (n_it > 0) {
+        /* dV/dK of item it and S^T/dP^T of item it + 1 run back to back on the tensor cores */
+        issue_sdp(st, dpt, 0);
+        for (int it = 0; it < n_it; ++it) {
+            sm90::wg_wait<0>();
+            sm90::fence_regs(st, KQB / 2);
+            sm90::fence_regs(dpt, KQB / 2);
+            sm90::fence_regs(dv, D / 2);
+            sm90::fence_regs(dk, D / 2);
+            fence_frags(pf, df);
+            if (it > 0) release(it - 1);
+            probs(st, dpt, it);
+            to_frags<T, KQB>(pf, st);
+            to_frags<T, KQB>(df, dpt);
+            issue_dkdv(pf, df, it);
+            if (it + 1 < n_it) issue_sdp(st, dpt, it + 1);
+        }
+        sm90::wg_wait<0>();
+        sm90::fence_regs(dv, D / 2);
+        sm90::fence_regs(dk, D / 2);
+        fence_frags(pf, df);
+        release(n_it - 1);
     }
 
     /* rows of this warpgroup in sK / sV are free once its MMAs are done: stage dK, dV there */
@@ -425,7 +465,8 @@ template <typename T, int D> ncp_status launch(const ncp_sink_attn_bwd_params &b
         NCP_TRY(ncp_sm90_tensor_map(&tq, p.q, p.Tq, p.Hq, D, p.q_st, p.q_sh, KQB));
         NCP_TRY(ncp_sm90_tensor_map(&tdo, b.dout, p.Tq, p.Hq, D, b.do_st, b.do_sh, KQB));
         constexpr int bytes = bwd_layout<D, KVB, KQB>::bytes;
-        auto kernel = bwd_dkdv_sm90_kernel<T, D>;
+        const char *e = getenv("NCP_SM90_BWD_OVERLAP");
+        auto kernel = (e != nullptr && e[0] == '1') ? bwd_dkdv_sm90_kernel<T, D, true> : bwd_dkdv_sm90_kernel<T, D, false>;
         NCP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
         kernel<<<dim3(p.Hkv, (p.Tk + KVB - 1) / KVB), kThreads, bytes, stream>>>(tk, tv, tq, tdo, b);
         NCP_CUDA_CHECK(cudaGetLastError());
