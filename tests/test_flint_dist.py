@@ -102,7 +102,12 @@ def _attention_and_comm(tag, plan, pack, w, group, cp, cp_rank):
         n_fwd = len(spy.calls)
         out.backward(loc[3])
     _check_rank_rows(tag, [out] + [t.grad for t in leaves[:3]], rr, ref)
-    assert torch.allclose(leaves[3].grad.double(), rr.dsink, rtol=1e-5, atol=1e-7), f"{tag}: partial dsink"
+    # dsink is a signed sum over the rank's rows: bound the error by TOL x the sum of |terms| (the
+    # fp32 accumulation error scales with it; a plain rtol fails when the terms cancel)
+    terms = (torch.exp(s.double()[:, None] - ref.lse) * (dout.double() * ref.out).abs().sum(-1).T).T  # [T, Hq]
+    budget = rcp.local_rows(terms, d, cp_rank).sum(0)
+    err = (leaves[3].grad.double() - rr.dsink).abs()
+    assert torch.all(err <= TOL * budget + 1e-7), f"{tag}: partial dsink err {err.tolist()} budget {budget.tolist()}"
     total = leaves[3].grad.clone()
     dist.all_reduce(total, group=group)  # what FSDP over dp x cp does with the partial dsinks
     _check_dsink(tag, total, ref, s, dout)
