@@ -267,6 +267,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(pf[kk][e]), "+r"(df[kk][e])::"memory");
     };
     auto release = [&](int it) {
+        __syncwarp(); /* every lane's reads of the stage (lse/Delta) precede the warp's arrival */
         if (lane == 0) sm90::mbar_arrive(bar.e(it % kStages));
     };
 
@@ -447,6 +448,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int kk = 0; kk < QKB / 16; ++kk)
 #pragma unroll
             for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(df[kk][e])::"memory");
+        __syncwarp();
         if (lane == 0) sm90::mbar_arrive(bar.e(s));
     }
     store_rows<T, D, QQB>(dq, (float)p.scale, sQ, 64 * cw, reinterpret_cast<T *>(b.dq) + (int64_t)h * b.dq_sh, b.dq_st,

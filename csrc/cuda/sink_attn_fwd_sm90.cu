@@ -228,6 +228,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(pf[kk][e])::"memory");
     };
     auto release = [&](int s) {
+        __syncwarp();
         if (lane == 0) sm90::mbar_arrive(bar_e(s));
     };
 
