@@ -29,8 +29,7 @@
 #include "ncp/ncp_check.h"
 #include "ncp_internal.h"
 #include "sink_attn_common.cuh"
-#include "sm90_common.cuh"
-#include "sm90_wgmma.cuh"
+#include "sm90_gemm.cuh"
 
 namespace ncp {
 namespace {
@@ -203,25 +202,9 @@ __global__ void __launch_bounds__(kThreads, 1)
         const uint32_t ph = (it / kStages) & 1;
         const uint32_t sQ = sQ0 + s * L::tile_bytes, sO = sO0 + s * L::tile_bytes;
         sm90::mbar_wait(bar.a(s), ph);
-        sm90::fence_regs(st, KQB / 2);
-        sm90::wg_fence();
-#pragma unroll
-        for (int ks = 0; ks < D / 16; ++ks) {
-            const uint64_t da = sm90::desc_kmajor(sKw + (ks >> 2) * KVB * 128 + (ks & 3) * 32);
-            const uint64_t db = sm90::desc_kmajor(sQ + (ks >> 2) * KQB * 128 + (ks & 3) * 32);
-            sm90::wgmma<T, KQB>::template ss<0, 0>(st, da, db, ks > 0);
-        }
-        sm90::wg_commit();
+        sm90::gemm_ss<T, KQB, D>(st, sKw, KVB * 128, sQ, KQB * 128);
         sm90::mbar_wait(bar.b(s), ph);
-        sm90::fence_regs(dpt, KQB / 2);
-        sm90::wg_fence();
-#pragma unroll
-        for (int ks = 0; ks < D / 16; ++ks) {
-            const uint64_t da = sm90::desc_kmajor(sVw + (ks >> 2) * KVB * 128 + (ks & 3) * 32);
-            const uint64_t db = sm90::desc_kmajor(sO + (ks >> 2) * KQB * 128 + (ks & 3) * 32);
-            sm90::wgmma<T, KQB>::template ss<0, 0>(dpt, da, db, ks > 0);
-        }
-        sm90::wg_commit();
+        sm90::gemm_ss<T, KQB, D>(dpt, sVw, KVB * 128, sO, KQB * 128);
     };
     /* P^T and dS^T of item it in place; columns are queries q0 + 8j + 2tq + c, rows the two keys */
     auto probs = [&](float *st, float *dpt, int it) {
@@ -251,16 +234,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     /* dV += P^T dO, dK += dS^T Q of item it, issued asynchronously */
     auto issue_dkdv = [&](uint32_t (*pf)[4], uint32_t (*df)[4], int it) {
         const int s = it % kStages;
-        const uint32_t sQ = sQ0 + s * L::tile_bytes, sO = sO0 + s * L::tile_bytes;
         sm90::fence_regs(dv, D / 2);
         sm90::fence_regs(dk, D / 2);
         sm90::wg_fence();
-#pragma unroll
-        for (int kk = 0; kk < KQB / 16; ++kk)
-            sm90::wgmma<T, D>::template rs<1>(dv, pf[kk], sm90::desc_mnmajor(sO + kk * 16 * 128, KQB * 128), 1);
-#pragma unroll
-        for (int kk = 0; kk < KQB / 16; ++kk)
-            sm90::wgmma<T, D>::template rs<1>(dk, df[kk], sm90::desc_mnmajor(sQ + kk * 16 * 128, KQB * 128), 1);
+        sm90::rs_steps<T, D, KQB>(dv, pf, sO0 + s * L::tile_bytes, KQB * 128);
+        sm90::rs_steps<T, D, KQB>(dk, df, sQ0 + s * L::tile_bytes, KQB * 128);
         sm90::wg_commit();
     };
     auto fence_frags = [&](uint32_t (*pf)[4], uint32_t (*df)[4]) {
@@ -401,25 +379,9 @@ __global__ void __launch_bounds__(kThreads, 1)
 
         float sc[QKB / 2], dp[QKB / 2];
         sm90::mbar_wait(bar.a(s), ph);
-        sm90::fence_regs(sc, QKB / 2);
-        sm90::wg_fence();
-#pragma unroll
-        for (int ks = 0; ks < D / 16; ++ks) {
-            const uint64_t da = sm90::desc_kmajor(sQw + (ks >> 2) * QQB * 128 + (ks & 3) * 32);
-            const uint64_t db = sm90::desc_kmajor(sK + (ks >> 2) * QKB * 128 + (ks & 3) * 32);
-            sm90::wgmma<T, QKB>::template ss<0, 0>(sc, da, db, ks > 0);
-        }
-        sm90::wg_commit();
+        sm90::gemm_ss<T, QKB, D>(sc, sQw, QQB * 128, sK, QKB * 128);
         sm90::mbar_wait(bar.b(s), ph);
-        sm90::fence_regs(dp, QKB / 2);
-        sm90::wg_fence();
-#pragma unroll
-        for (int ks = 0; ks < D / 16; ++ks) {
-            const uint64_t da = sm90::desc_kmajor(sOw + (ks >> 2) * QQB * 128 + (ks & 3) * 32);
-            const uint64_t db = sm90::desc_kmajor(sV + (ks >> 2) * QKB * 128 + (ks & 3) * 32);
-            sm90::wgmma<T, QKB>::template ss<0, 0>(dp, da, db, ks > 0);
-        }
-        sm90::wg_commit();
+        sm90::gemm_ss<T, QKB, D>(dp, sOw, QQB * 128, sV, QKB * 128);
         sm90::wg_wait<0>();
         sm90::fence_regs(sc, QKB / 2);
         sm90::fence_regs(dp, QKB / 2);
@@ -439,12 +401,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             }
         uint32_t df[QKB / 16][4];
         to_frags<T, QKB>(df, dp);
-        sm90::fence_regs(dq, D / 2);
-        sm90::wg_fence();
-#pragma unroll
-        for (int kk = 0; kk < QKB / 16; ++kk)
-            sm90::wgmma<T, D>::template rs<1>(dq, df[kk], sm90::desc_mnmajor(sK + kk * 16 * 128, QKB * 128), 1);
-        sm90::wg_commit();
+        sm90::gemm_rs<T, D, QKB>(dq, df, sK, QKB * 128);
         sm90::wg_wait<0>();
         sm90::fence_regs(dq, D / 2);
 #pragma unroll

@@ -28,8 +28,7 @@
 #include "ncp/ncp_check.h"
 #include "ncp_internal.h"
 #include "sink_attn_common.cuh"
-#include "sm90_common.cuh"
-#include "sm90_wgmma.cuh"
+#include "sm90_gemm.cuh"
 
 namespace ncp {
 namespace {
@@ -149,28 +148,11 @@ __global__ void __launch_bounds__(kThreads, 1)
 
     /* S = Q K^T (64 x BN per warpgroup), issued asynchronously */
     auto issue_s = [&](float *sc, int s) {
-        const uint32_t sK = sK0 + s * L::kv_bytes;
-        sm90::fence_regs(sc, BN / 2);
-        sm90::wg_fence();
-#pragma unroll
-        for (int ks = 0; ks < D / 16; ++ks) {
-            const uint64_t da = sm90::desc_kmajor(sQw + (ks >> 2) * HBM * 128 + (ks & 3) * 32);
-            const uint64_t db = sm90::desc_kmajor(sK + (ks >> 2) * BN * 128 + (ks & 3) * 32);
-            sm90::wgmma<T, BN>::template ss<0, 0>(sc, da, db, ks > 0);
-        }
-        sm90::wg_commit();
+        sm90::gemm_ss<T, BN, D>(sc, sQw, HBM * 128, sK0 + s * L::kv_bytes, BN * 128);
     };
     /* O += P V, issued asynchronously (P stays live in registers until the wait) */
     auto issue_pv = [&](uint32_t (*pf)[4], int s) {
-        const uint32_t sV = sV0 + s * L::kv_bytes;
-        sm90::fence_regs(o, D / 2);
-        sm90::wg_fence();
-#pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk) {
-            const uint64_t db = sm90::desc_mnmajor(sV + kk * 16 * 128, BN * 128);
-            sm90::wgmma<T, D>::template rs<1>(o, pf[kk], db, 1);
-        }
-        sm90::wg_commit();
+        sm90::gemm_rs<T, D, BN>(o, pf, sV0 + s * L::kv_bytes, BN * 128);
     };
     /* Scale into the log2 domain, mask a partial tile, online softmax; P into A fragments. */
     auto softmax = [&](float *sc, int it, uint32_t (*pf)[4], float *corr) {

@@ -1,0 +1,48 @@
+/*
+ * sm90_gemm.cuh: the two warpgroup GEMM shapes of the Hopper sink-attention kernels, on 128B-swizzled
+ * shared tiles (layout: sm90_common.cuh), issued asynchronously and committed as one group:
+ *   gemm_ss: acc[64 x N] (=|+=) A[64 x K] B[N x K]^T, both K-major (K = D: D/64 column blocks,
+ *            a_cb / b_cb bytes apart); acc is overwritten (first k-step with scale_d = 0).
+ *   gemm_rs: acc[64 x N] += A[64 x K] B[K x N], A as register fragments (K/16 of them), B MN-major
+ *            (K rows from b, N = D in 64-wide column blocks lbo bytes apart).
+ * The caller waits (wg_wait) and fences the accumulators before reading them.
+ */
+#ifndef NCP_SM90_GEMM_CUH
+#define NCP_SM90_GEMM_CUH
+
+#include "sm90_common.cuh"
+#include "sm90_wgmma.cuh"
+
+namespace ncp {
+namespace sm90 {
+#ifdef NCP_SM90_DEVICE
+template <typename T, int N, int D>
+__device__ __forceinline__ void gemm_ss(float *acc, uint32_t a, uint32_t a_cb, uint32_t b, uint32_t b_cb) {
+    fence_regs(acc, N / 2);
+    wg_fence();
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks)
+        wgmma<T, N>::template ss<0, 0>(acc, desc_kmajor(a + (ks >> 2) * a_cb + (ks & 3) * 32),
+                                       desc_kmajor(b + (ks >> 2) * b_cb + (ks & 3) * 32), ks > 0);
+    wg_commit();
+}
+
+/* The k-steps of gemm_rs alone, for callers that put several GEMMs in one commit group. */
+template <typename T, int N, int K>
+__device__ __forceinline__ void rs_steps(float *acc, uint32_t (*a)[4], uint32_t b, uint32_t lbo) {
+#pragma unroll
+    for (int kk = 0; kk < K / 16; ++kk) wgmma<T, N>::template rs<1>(acc, a[kk], desc_mnmajor(b + kk * 16 * 128, lbo), 1);
+}
+
+template <typename T, int N, int K>
+__device__ __forceinline__ void gemm_rs(float *acc, uint32_t (*a)[4], uint32_t b, uint32_t lbo) {
+    fence_regs(acc, N / 2);
+    wg_fence();
+    rs_steps<T, N, K>(acc, a, b, lbo);
+    wg_commit();
+}
+#endif
+}  // namespace sm90
+}  // namespace ncp
+
+#endif /* NCP_SM90_GEMM_CUH */
