@@ -5,6 +5,8 @@
 #   summary.txt (headlines + every benchmark's printed table)  sass.txt
 #
 #   OUT=/tmp/out NCP_COMMIT=<sha> bash benchmarks/gpu_run.sh [stage ...]
+# Set NCP_COMMIT from the machine that holds the repository: the device tool's copy of .git can be
+# stale, so `git rev-parse` run there may name an older commit than the tree it copied.
 # stages: build test sanitize kernels attn mimo flint all (default: all). Test, sanitizer and
 # attention stages run under `timeout` (TEST_TIMEOUT, SAN_TIMEOUT, ATTN_TIMEOUT seconds). Each stage appends its
 # headline to summary.txt; a failing stage is reported and the next one still runs.
