@@ -23,18 +23,18 @@ pytestmark = pytest.mark.cuda
 DEV = "cuda"
 
 
-@pytest.fixture(params=["auto", "sm90-overlap", "sm90-bwd-overlap", "portable"])
+@pytest.fixture(params=["auto", "sm90-fwd-serial", "sm90-bwd-overlap", "portable"])
 def fwd_kernel(request, monkeypatch):
-    """Runs a test on the default kernels (the Hopper ones on an H200), on the Hopper forward with
-    softmax/MMA overlap, on the Hopper dK/dV kernel with MMA overlap, and on the portable mma.sync
-    forward and backward (the switches are read at each call)."""
-    for var in ("NCP_FWD_VARIANT", "NCP_BWD_VARIANT", "NCP_SM90_FWD_OVERLAP", "NCP_SM90_BWD_OVERLAP"):
+    """Runs a test on the default kernels (the Hopper ones on an H200: ping-pong forward), on the
+    Hopper forward with the serial schedule, on the Hopper dK/dV kernel with MMA overlap, and on
+    the portable mma.sync forward and backward (the switches are read at each call)."""
+    for var in ("NCP_FWD_VARIANT", "NCP_BWD_VARIANT", "NCP_SM90_FWD_SCHED", "NCP_SM90_BWD_OVERLAP"):
         monkeypatch.delenv(var, raising=False)
     if request.param == "portable":
         monkeypatch.setenv("NCP_FWD_VARIANT", "3")
         monkeypatch.setenv("NCP_BWD_VARIANT", "1")
-    elif request.param == "sm90-overlap":
-        monkeypatch.setenv("NCP_SM90_FWD_OVERLAP", "1")
+    elif request.param == "sm90-fwd-serial":
+        monkeypatch.setenv("NCP_SM90_FWD_SCHED", "serial")
     elif request.param == "sm90-bwd-overlap":
         monkeypatch.setenv("NCP_SM90_BWD_OVERLAP", "1")
     return request.param

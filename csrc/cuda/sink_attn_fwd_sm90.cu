@@ -24,6 +24,7 @@
  * Test: pytest tests/test_sink_attention_cuda.py   Bench: python benchmarks/bench_sink_attention.py
  */
 #include <stdlib.h>
+#include <string.h>
 
 #include "ncp/ncp_check.h"
 #include "ncp_internal.h"
@@ -36,6 +37,8 @@ namespace {
 constexpr int HBM = 128;          /* query rows per CTA: two consumer warpgroups of 64 */
 constexpr int kThreads = 384;     /* producer + 2 consumer warpgroups */
 constexpr int kStages = 2;
+constexpr bool kDefaultPingPong = true;
+constexpr int kPP = 3;            /* named barriers kPP, kPP + 1: ping-pong turns (1, 2: epilogue) */
 
 template <int D, int BN> struct fwd_layout {
     static constexpr int q_bytes = HBM * D * 2;
@@ -46,7 +49,7 @@ template <int D, int BN> struct fwd_layout {
     static constexpr int bytes = bar_off + (1 + 3 * kStages) * 8 + 1024; /* + slack to align to 1024 */
 };
 
-template <typename T, int D, int BN, bool OVERLAP>
+template <typename T, int D, int BN, bool PINGPONG>
 __global__ void __launch_bounds__(kThreads, 1)
     sink_attn_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                               const __grid_constant__ CUtensorMap tm_v, const ncp_sink_attn_params p) {
@@ -154,22 +157,23 @@ __global__ void __launch_bounds__(kThreads, 1)
     auto issue_pv = [&](uint32_t (*pf)[4], int s) {
         sm90::gemm_rs<T, D, BN>(o, pf, sV0 + s * L::kv_bytes, BN * 128);
     };
-    /* Scale into the log2 domain, mask a partial tile, online softmax; P into A fragments. */
-    auto softmax = [&](float *sc, int it, uint32_t (*pf)[4], float *corr) {
+    /* Scale into the log2 domain, mask a partial tile, online softmax: sc becomes the
+     * unnormalized probabilities, corr the factor O must be rescaled by before it takes them. */
+    auto softmax = [&](float *sc, int it, float *corr) {
         bool full;
         const int kt = tile_at(it, full);
 #pragma unroll
-        for (int j = 0; j < BN / 8; ++j)
+        for (int i = 0; i < BN / 2; ++i) sc[i] *= scale_log2;
+        if (!full) { /* one branch per tile: full tiles keep a single straight-line block */
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                float x = sc[4 * j + e] * scale_log2;
-                if (!full) {
+            for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
                     const int kj = kt * BN + 8 * j + 2 * tq + (e & 1);
                     const int kp = kj >= p.Tk ? kNoKey : (positions ? __ldg(p.k_pos + kj) : kj);
-                    if (kp < qlo[e >> 1] || kp > qpos[e >> 1]) x = -INFINITY;
+                    if (kp < qlo[e >> 1] || kp > qpos[e >> 1]) sc[4 * j + e] = -INFINITY;
                 }
-                sc[4 * j + e] = x;
-            }
+        }
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             float mx = m[r];
@@ -188,6 +192,10 @@ __global__ void __launch_bounds__(kThreads, 1)
             l[r] = l[r] * corr[r] + sum;
             m[r] = mx;
         }
+    };
+    /* P into A fragments; the empty asm pins their definition before the next wgmma.fence, so no
+     * non-wgmma instruction defines a wgmma input inside a pipeline stage (ptxas C7513). */
+    auto to_p = [&](const float *sc, uint32_t (*pf)[4]) {
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) {
             pf[kk][0] = elem<T>::pack(sc[8 * kk + 0], sc[8 * kk + 1]);
@@ -195,6 +203,10 @@ __global__ void __launch_bounds__(kThreads, 1)
             pf[kk][2] = elem<T>::pack(sc[8 * kk + 4], sc[8 * kk + 5]);
             pf[kk][3] = elem<T>::pack(sc[8 * kk + 6], sc[8 * kk + 7]);
         }
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(pf[kk][e])::"memory");
     };
     auto rescale = [&](const float *corr) {
 #pragma unroll
@@ -217,7 +229,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     };
 
     sm90::mbar_wait(bar_q, 0);
-    if (!OVERLAP) { /* default schedule: each MMA batch waited for at once */
+    if (!PINGPONG) { /* serial schedule: each MMA batch waited for at once */
         for (int it = 0; it < n_it; ++it) {
             const int s = it % kStages;
             float sc[BN / 2], corr[2];
@@ -226,7 +238,8 @@ __global__ void __launch_bounds__(kThreads, 1)
             issue_s(sc, s);
             sm90::wg_wait<0>();
             sm90::fence_regs(sc, BN / 2);
-            softmax(sc, it, pf, corr);
+            softmax(sc, it, corr);
+            to_p(sc, pf);
             rescale(corr);
             sm90::mbar_wait(bar_v(s), (it / kStages) & 1);
             issue_pv(pf, s);
@@ -236,36 +249,44 @@ __global__ void __launch_bounds__(kThreads, 1)
             release(s);
         }
     } else if (n_it > 0) {
+        /* Ping-pong: the two consumer warpgroups take turns issuing their MMAs (named barriers
+         * kPP + cw, 256 threads: a warpgroup waits on its own and arrives on the other's), so one
+         * warpgroup's softmax runs while the other's MMAs occupy the tensor cores. Inside a
+         * warpgroup S(it) and P(it-1) V(it-1) are issued together and the softmax of S(it)
+         * overlaps P(it-1) V(it-1). Each barrier completes n_it times: warpgroup 1 arrives once
+         * up front and skips its arrival on its last tile. */
+        const int pp_me = kPP + cw, pp_other = kPP + 1 - cw;
+        if (cw == 1) sm90::named_arrive(kPP, 256);
         float sc[BN / 2], corr[2];
         uint32_t pf[BN / 16][4];
         sm90::mbar_wait(bar_k(0), 0);
+        sm90::named_sync(pp_me, 256);
         issue_s(sc, 0);
+        if (cw == 0 || n_it > 1) sm90::named_arrive(pp_other, 256);
         sm90::wg_wait<0>();
         sm90::fence_regs(sc, BN / 2);
-        softmax(sc, 0, pf, corr);
-        /* Steady state: S(it) and P(it-1) V(it-1) are issued back to back; the softmax of S(it)
-         * overlaps P(it-1) V(it-1) on the tensor cores. O is rescaled once that MMA is done. */
+        softmax(sc, 0, corr); /* O is still zero: corr not needed */
+        to_p(sc, pf);
         for (int it = 1; it < n_it; ++it) {
             const int s = it % kStages, sp = (it - 1) % kStages;
             sm90::mbar_wait(bar_k(s), (it / kStages) & 1);
+            sm90::named_sync(pp_me, 256);
             issue_s(sc, s);
+            if (it > 1) rescale(corr); /* O had P(it-2) V(it-2) added; the factor of tile it-1 */
             sm90::mbar_wait(bar_v(sp), ((it - 1) / kStages) & 1);
             issue_pv(pf, sp);
+            if (cw == 0 || it + 1 < n_it) sm90::named_arrive(pp_other, 256);
             sm90::wg_wait<1>(); /* S(it) done; P(it-1) V(it-1) may still run */
             sm90::fence_regs(sc, BN / 2);
-            uint32_t pn[BN / 16][4];
-            softmax(sc, it, pn, corr);
+            softmax(sc, it, corr);
             sm90::wg_wait<0>();
             sm90::fence_regs(o, D / 2);
             fence_p(pf); /* P(it-1) registers stay untouched until its MMA finished */
             release(sp);
-            rescale(corr);
-#pragma unroll
-            for (int kk = 0; kk < BN / 16; ++kk)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) pf[kk][e] = pn[kk][e];
+            to_p(sc, pf);
         }
         const int sl = (n_it - 1) % kStages;
+        if (n_it > 1) rescale(corr);
         sm90::mbar_wait(bar_v(sl), ((n_it - 1) / kStages) & 1);
         issue_pv(pf, sl);
         sm90::wg_wait<0>();
@@ -313,14 +334,14 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
-template <typename T, int D, int BN, bool OVERLAP>
+template <typename T, int D, int BN, bool PINGPONG>
 ncp_status launch(const ncp_sink_attn_params &p, cudaStream_t stream) {
     CUtensorMap tq, tk, tv;
     NCP_TRY(ncp_sm90_tensor_map(&tq, p.q, p.Tq, p.Hq, D, p.q_st, p.q_sh, HBM));
     NCP_TRY(ncp_sm90_tensor_map(&tk, p.k, p.Tk, p.Hkv, D, p.k_st, p.k_sh, BN));
     NCP_TRY(ncp_sm90_tensor_map(&tv, p.v, p.Tk, p.Hkv, D, p.v_st, p.v_sh, BN));
     constexpr int bytes = fwd_layout<D, BN>::bytes;
-    auto kernel = sink_attn_fwd_sm90_kernel<T, D, BN, OVERLAP>;
+    auto kernel = sink_attn_fwd_sm90_kernel<T, D, BN, PINGPONG>;
     NCP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
     const dim3 grid(p.Hq, (p.Tq + HBM - 1) / HBM);
     kernel<<<grid, kThreads, bytes, stream>>>(tq, tk, tv, p);
@@ -328,14 +349,17 @@ ncp_status launch(const ncp_sink_attn_params &p, cudaStream_t stream) {
     return NCP_OK;
 }
 
-template <typename T, int D, bool OVERLAP> ncp_status launch_mode(const ncp_sink_attn_params &p, cudaStream_t s) {
-    return p.q_pos != nullptr ? launch<T, D, NCP_FWD_BN, OVERLAP>(p, s) : launch<T, D, 128, OVERLAP>(p, s);
+template <typename T, int D, bool PINGPONG> ncp_status launch_mode(const ncp_sink_attn_params &p, cudaStream_t s) {
+    return p.q_pos != nullptr ? launch<T, D, NCP_FWD_BN, PINGPONG>(p, s) : launch<T, D, 128, PINGPONG>(p, s);
 }
 
+/* NCP_SM90_FWD_SCHED=serial|pingpong (read on every call); anything else: the default. */
 template <typename T, int D> ncp_status launch_any(const ncp_sink_attn_params &p, cudaStream_t s) {
-    const char *e = getenv("NCP_SM90_FWD_OVERLAP"); /* slower on the H200 so far: BENCHMARKS.md */
-    if (e != nullptr && e[0] == '1') return launch_mode<T, D, true>(p, s);
-    return launch_mode<T, D, false>(p, s);
+    const char *e = getenv("NCP_SM90_FWD_SCHED");
+    bool pingpong = kDefaultPingPong;
+    if (e != nullptr && strcmp(e, "serial") == 0) pingpong = false;
+    if (e != nullptr && strcmp(e, "pingpong") == 0) pingpong = true;
+    return pingpong ? launch_mode<T, D, true>(p, s) : launch_mode<T, D, false>(p, s);
 }
 
 }  // namespace
