@@ -85,10 +85,13 @@ def mimo():
 if __name__ == "__main__":
     parts = sys.argv[1:] or ["attention", "mimo"]
     if "attention" in parts:
-        attention()  # default forward kernel (the Hopper one on sm_90)
-        os.environ["NCP_FWD_VARIANT"] = "3"  # and the portable mma.sync forward
+        attention()  # default kernels (on sm_90: ping-pong forward, atomic-dQ backward)
+        os.environ.update(NCP_DETERMINISTIC="1", NCP_SM90_FWD_SCHED="serial")  # deterministic Hopper backward
         attention()
-        del os.environ["NCP_FWD_VARIANT"]
+        os.environ.update(NCP_FWD_VARIANT="3", NCP_BWD_VARIANT="1")  # the portable mma.sync kernels
+        attention()
+        for key in ("NCP_DETERMINISTIC", "NCP_SM90_FWD_SCHED", "NCP_FWD_VARIANT", "NCP_BWD_VARIANT"):
+            del os.environ[key]
     if "mimo" in parts:
         mimo()
     if "initprobe" in parts:

@@ -14,6 +14,7 @@ counts the current token). A row that sees nothing gets out = 0 and lse = a_h.
 from __future__ import annotations
 
 from dataclasses import dataclass
+import os
 from typing import Optional
 
 import torch
@@ -105,10 +106,14 @@ def _sink_attn_bwd(
     if cuda and sink is not None:
         part = torch.empty((Hq, _C.sink_attn_bwd_n_part(Tq)), dtype=torch.float32, device=q.device)
     flat = (cu_seqlens, window, q_pos, q_lo, k_pos, fwd_off, fwd_ent, dq_off, dq_ent, dkv_off, dkv_ent)
+    det = backward_is_deterministic()
+    acc = None
+    if cuda and not det and q_pos is None and _C.sink_attn_bwd_variant() == 4:
+        acc = torch.empty((Hq, Tq, q.shape[2]), dtype=torch.float32, device=q.device)  # zeroed by the kernel
     _C.sink_attn_bwd(
         dl(q), dl(k), dl(v), dl(sink), dl(out), dl(lse), dl(dout.contiguous()), dl(dq), dl(dk), dl(dv),
         dl(dsink if sink is not None else None), dl(delta), dl(part), float(scale), _mask_capsules(flat, True),
-        1, stream_of(q.device),
+        int(det), stream_of(q.device), dl(acc),
     )  # fmt: skip
     return dq, dk, dv, dsink
 
@@ -120,6 +125,14 @@ def _(dout, q, k, v, sink, out, lse, scale, cu_seqlens, window, q_pos, q_lo, k_p
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsink
 
 
+def backward_is_deterministic() -> bool:
+    """Whether the next backward must be bitwise repeatable: ``torch.use_deterministic_algorithms(True)``
+    or ``NCP_DETERMINISTIC=1``. Otherwise the Hopper backward (contiguous mode) accumulates dq with
+    atomic reductions (5 MMAs per tile instead of 7), so the last bits of dq may differ between runs;
+    dk, dv and dsink are repeatable either way, and every other path is deterministic."""
+    return torch.are_deterministic_algorithms_enabled() or os.environ.get("NCP_DETERMINISTIC", "") == "1"
+
+
 def attn_forward(q, k, v, sink, mask: AttnMask, scale: float) -> tuple[Tensor, Tensor]:
     """Forward of the native op (no autograd): ``(out, lse)``."""
     f = mask.flat()
@@ -127,7 +140,7 @@ def attn_forward(q, k, v, sink, mask: AttnMask, scale: float) -> tuple[Tensor, T
 
 
 def attn_backward(dout, q, k, v, sink, out, lse, mask: AttnMask, scale: float):
-    """Backward of the native op: ``(dq, dk, dv, dsink or None)``. Deterministic."""
+    """Backward of the native op: ``(dq, dk, dv, dsink or None)``; see ``backward_is_deterministic``."""
     dq, dk, dv, dsink = _sink_attn_bwd(dout, q, k, v, sink, out, lse, scale, *mask.flat())
     return dq, dk, dv, (dsink if sink is not None else None)
 
@@ -239,7 +252,9 @@ def sink_attention(
 
     Returns:
         ``out`` ``[T, Hq, D]`` in q's dtype, or ``(out, lse)``. Gradients flow to q, k, v and
-        sink (fp32); the backward is deterministic (bitwise repeatable).
+        sink (fp32). The backward is bitwise repeatable except dq on the Hopper kernels, which
+        accumulate it with atomics unless ``torch.use_deterministic_algorithms(True)`` or
+        ``NCP_DETERMINISTIC=1`` (see ``backward_is_deterministic``).
     """
     _check_inputs(q, k, v, sink, cu_seqlens, window, scale)
     if validate or q.device.type == "cpu":

@@ -354,7 +354,7 @@ def _poisoned_bwd(q, k, v, s, out, lse, dout, mask_caps, scale):
     sb = guarded((Hq,), s.dtype, float("nan")) if s is not None else None
     db = guarded((Hq, T), torch.float32, float("nan"))
     _C.sink_attn_bwd(dl(q), dl(k), dl(v), dl(s), dl(out), dl(lse), dl(dout), dl(bufs[0][1]), dl(bufs[1][1]),
-                     dl(bufs[2][1]), dl(sb[1] if sb else None), dl(db[1]), None, scale, mask_caps, 1, None)  # fmt: skip
+                     dl(bufs[2][1]), dl(sb[1] if sb else None), dl(db[1]), None, scale, mask_caps, 1, None, None)  # fmt: skip
     for b, t, p in bufs + ([sb] if sb else []) + [db]:
         assert not t.isnan().any(), "an output element was never written"
         assert guards_intact(b, p), "a guard band was overwritten"

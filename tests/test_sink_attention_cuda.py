@@ -25,18 +25,21 @@ DEV = "cuda"
 
 @pytest.fixture(params=["auto", "sm90-fwd-serial", "sm90-bwd-overlap", "portable"])
 def fwd_kernel(request, monkeypatch):
-    """Runs a test on the default kernels (the Hopper ones on an H200: ping-pong forward), on the
-    Hopper forward with the serial schedule, on the Hopper dK/dV kernel with MMA overlap, and on
-    the portable mma.sync forward and backward (the switches are read at each call)."""
-    for var in ("NCP_FWD_VARIANT", "NCP_BWD_VARIANT", "NCP_SM90_FWD_SCHED", "NCP_SM90_BWD_OVERLAP"):
+    """Runs a test on the default kernels (on an H200: the ping-pong forward and the atomic-dQ
+    backward), on the serial Hopper forward with the deterministic Hopper backward, on the
+    deterministic Hopper dK/dV kernel with MMA overlap, and on the portable mma.sync forward and
+    backward (the switches are read at each call)."""
+    for var in ("NCP_FWD_VARIANT", "NCP_BWD_VARIANT", "NCP_SM90_FWD_SCHED", "NCP_SM90_BWD_OVERLAP", "NCP_DETERMINISTIC"):
         monkeypatch.delenv(var, raising=False)
     if request.param == "portable":
         monkeypatch.setenv("NCP_FWD_VARIANT", "3")
         monkeypatch.setenv("NCP_BWD_VARIANT", "1")
     elif request.param == "sm90-fwd-serial":
         monkeypatch.setenv("NCP_SM90_FWD_SCHED", "serial")
+        monkeypatch.setenv("NCP_DETERMINISTIC", "1")
     elif request.param == "sm90-bwd-overlap":
         monkeypatch.setenv("NCP_SM90_BWD_OVERLAP", "1")
+        monkeypatch.setenv("NCP_DETERMINISTIC", "1")
     return request.param
 
 
@@ -135,12 +138,16 @@ def test_cuda_poisoned_outputs_and_guards(ncp_seed, fwd_kernel):
     sb, dsink, _ = _guarded((Hq,), torch.float32, float("nan"))
     delta = torch.full((Hq, T), float("nan"), device=DEV)
     part = torch.full((Hq, _C.sink_attn_bwd_n_part(T)), float("nan"), device=DEV)
+    det = int(fwd_kernel != "auto")  # auto: the atomic-dQ Hopper backward, from a poisoned accumulator
+    acc = torch.full((Hq, T, D), float("nan"), device=DEV)
     _C.sink_attn_bwd(dl(q), dl(k), dl(v), dl(s), dl(out), dl(lse), dl(dout), dl(bufs[0][1]), dl(bufs[1][1]),
-                     dl(bufs[2][1]), dl(dsink), dl(delta), dl(part), D**-0.5, (dl(cu), 0), 1, None)  # fmt: skip
+                     dl(bufs[2][1]), dl(dsink), dl(delta), dl(part), D**-0.5, (dl(cu), 0), det, None, dl(acc))  # fmt: skip
     torch.cuda.synchronize()
     for b, t, p in bufs + [(sb, dsink, pad)]:
         assert not t.isnan().any(), "an output element was never written"
         assert bool((b[:p] == 7).all()) and bool((b[-p:] == 7).all()), "a guard band was overwritten"
+    if not det and _C.sink_attn_bwd_variant() == 4:  # the atomic-dQ path ran: it zeroed and filled acc
+        assert not acc.isnan().any()
 
 
 @pytest.mark.parametrize("d,window", [(128, 0), (64, 513)])
@@ -161,7 +168,9 @@ def test_cuda_strided_views_of_packed_qkv(d, window, ncp_seed, fwd_kernel):
     assert_close_to_ref_ulp(lse, ref_lse, lp_lse.double(), name="lse", magnitude_floor=1.0)
 
 
-def test_cuda_backward_is_deterministic(ncp_seed, fwd_kernel):
+def test_cuda_backward_is_deterministic(ncp_seed, fwd_kernel, monkeypatch):
+    """Bitwise repeatable under NCP_DETERMINISTIC=1 (also the portable kernels' only mode)."""
+    monkeypatch.setenv("NCP_DETERMINISTIC", "1")
     g = torch.Generator().manual_seed(ncp_seed)
     lengths = doc_lengths(4096, "random", mean=700, generator=g)
     c = make_attention_case(lengths, 16, 2, 128, device=DEV, generator=g, requires_grad=True)
@@ -172,6 +181,36 @@ def test_cuda_backward_is_deterministic(ncp_seed, fwd_kernel):
         runs.append(torch.autograd.grad(out, (c["q"], c["k"], c["v"], c["sink"]), dout))
     for a, b in zip(*runs):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("d,window", [(128, 0), (64, 513), (128, 100)])
+def test_cuda_atomic_dq_backward_matches_deterministic(d, window, ncp_seed, monkeypatch):
+    """The default Hopper backward (dq from atomic reductions) against the deterministic one and the
+    fp64 oracle; dk, dv and dsink stay bitwise repeatable, dq differs only in summation order."""
+    if _C.sink_attn_bwd_variant() != 4:
+        pytest.skip("needs the Hopper backward (sm_90a build, compute capability 9.0)")
+    monkeypatch.delenv("NCP_DETERMINISTIC", raising=False)
+    g = torch.Generator().manual_seed(ncp_seed)
+    lengths = doc_lengths(3000, "random", mean=800, generator=g)
+    c = make_attention_case(lengths, 8, 2, d, device=DEV, generator=g, requires_grad=True)
+    args = (c["q"], c["k"], c["v"], c["sink"])
+    dout = torch.randn(c["q"].shape, generator=g).to(DEV, torch.bfloat16)
+    grads = {}
+    for det in ("0", "1", "0"):
+        monkeypatch.setenv("NCP_DETERMINISTIC", det)
+        out = ncp.sink_attention(*args, c["cu_seqlens"], window=window)
+        grads.setdefault(det, []).append(torch.autograd.grad(out, args, dout))
+    (a1, a2), (dt,) = grads["0"], grads["1"]
+    for i in (1, 2, 3):  # dk, dv, dsink do not depend on the dq mode
+        assert torch.equal(a1[i], dt[i]) and torch.equal(a2[i], dt[i])
+    ref_leaves = [t.detach().double().requires_grad_() for t in args]
+    ref, _ = attention_ref(*ref_leaves, c["cu_seqlens"], window=window)
+    (ref_dq,) = _grads(ref, ref_leaves[:1], dout.double())
+    lp_leaves = [t.detach().requires_grad_() for t in args]
+    lp, _ = attention_ref(*lp_leaves, c["cu_seqlens"], window=window, upcast=False)
+    (lp_dq,) = _grads(lp, lp_leaves[:1], dout)
+    for name, dq in (("dq atomic run 1", a1[0]), ("dq atomic run 2", a2[0]), ("dq deterministic", dt[0])):
+        assert_close_to_ref(dq, ref_dq, lp_dq, name=name)
 
 
 def test_cuda_matches_cpu_c_path(ncp_seed):

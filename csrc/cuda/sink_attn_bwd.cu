@@ -498,6 +498,7 @@ extern "C" ncp_status ncp_sink_attn_bwd_cuda(const ncp_sink_attn_bwd_params *b, 
     const int64_t strides[8] = {b->do_st, b->do_sh, b->dq_st, b->dq_sh, b->dk_st, b->dk_sh, b->dv_st, b->dv_sh};
     for (int i = 0; i < 4; ++i)
         NCP_ARG_CHECK(ptrs[i] % 16 == 0, "dout, dq, dk and dv must be 16-byte aligned on CUDA (use .contiguous())");
+    NCP_ARG_CHECK((uintptr_t)b->dq_accum % 16 == 0, "dq_accum must be 16-byte aligned on CUDA");
     for (int i = 0; i < 8; ++i)
         NCP_ARG_CHECK(strides[i] % 8 == 0, "token and head strides of dout, dq, dk and dv must be multiples of 8 elements");
     NCP_ARG_CHECK((b->f.Tq + NCP_BWD_BM - 1) / NCP_BWD_BM <= 65535 && (b->f.Tk + NCP_BWD_BN - 1) / NCP_BWD_BN <= 65535,

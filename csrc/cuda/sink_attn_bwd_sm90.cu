@@ -40,17 +40,21 @@ constexpr int KVB = 128;      /* dK/dV kernel: keys per CTA */
 constexpr int KQB = 64;       /* dK/dV kernel: q rows per streamed tile */
 constexpr int QQB = 128;      /* dQ kernel: q rows per CTA */
 constexpr int QKB = 64;       /* dQ kernel: keys per streamed tile */
+constexpr int kDsBar = 3;     /* named barrier: both warpgroups' dS^T stored (atomic-dQ kernel) */
+enum { kDet = 0, kDetOverlap = 1, kAtomicDq = 2 }; /* dK/dV kernel modes */
 
 /* Shared layout of both kernels: two stationary tiles of SR rows, kStages x two streamed tiles of
- * TR rows, the mbarriers (stat_full, a_full[S], b_full[S], empty[S]), then kStages x TR floats of
+ * TR rows, with DS (atomic-dQ dK/dV kernel) two dS^T tiles of SR x TR, the mbarriers (stat_full, a_full[S], b_full[S], empty[S]), then kStages x TR floats of
  * lse * log2(e) and of Delta for the streamed q tiles (dK/dV kernel). */
-template <int D, int SR, int TR> struct bwd_layout {
+template <int D, int SR, int TR, bool DS = false> struct bwd_layout {
     static constexpr int stat_bytes = SR * D * 2;
     static constexpr int tile_bytes = TR * D * 2;
     static constexpr int s1_off = stat_bytes;
     static constexpr int a_off = 2 * stat_bytes;
     static constexpr int b_off = a_off + kStages * tile_bytes;
-    static constexpr int bar_off = b_off + kStages * tile_bytes;
+    static constexpr int ds_bytes = SR * TR * 2; /* one dS^T tile: SR key rows x TR queries */
+    static constexpr int ds_off = b_off + kStages * tile_bytes;
+    static constexpr int bar_off = ds_off + (DS ? 2 * ds_bytes : 0);
     static constexpr int vec_off = bar_off + 128;
     static constexpr int bytes = vec_off + 2 * kStages * TR * 4 + 1024;
 };
@@ -115,17 +119,19 @@ template <typename T, int N> __device__ __forceinline__ void to_frags(uint32_t (
 /* ======================================================================================== */
 /* dK / dV                                                                                   */
 /* ======================================================================================== */
-template <typename T, int D, bool OVERLAP>
+template <typename T, int D, int MODE>
 __global__ void __launch_bounds__(kThreads, 1)
     bwd_dkdv_sm90_kernel(const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
                          const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_do,
                          const ncp_sink_attn_bwd_params b) {
 #ifdef NCP_SM90_DEVICE
-    using L = bwd_layout<D, KVB, KQB>;
+    constexpr bool OVERLAP = MODE == kDetOverlap, ADQ = MODE == kAtomicDq;
+    using L = bwd_layout<D, KVB, KQB, ADQ>;
     const ncp_sink_attn_params &p = b.f;
     extern __shared__ unsigned char smem_raw[];
     const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
     const uint32_t sK = base, sV = base + L::s1_off, sQ0 = base + L::a_off, sO0 = base + L::b_off;
+    const uint32_t sDS0 = base + L::ds_off;
     const bars bar{base + L::bar_off};
     float *s_l2 = reinterpret_cast<float *>(smem_raw + (base - smem_u32(smem_raw)) + L::vec_off); /* [S][KQB] */
     float *s_dl = s_l2 + kStages * KQB;
@@ -252,10 +258,72 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (lane == 0) sm90::mbar_arrive(bar.e(it % kStages));
     };
 
-    float st[KQB / 2], dpt[KQB / 2];
-    uint32_t pf[KQB / 16][4], df[KQB / 16][4];
-    if (!OVERLAP) {
+    if (ADQ) {
+        /* dQ of the item's 64 query rows, dS K, accumulated in fp32 with vector reductions into
+         * b.dq_accum (Hq, Tq, D). D = 128: warpgroup cw computes columns [64 cw, 64 cw + 64) over
+         * all 128 keys, so both warpgroups' dS^T must be in shared memory (named barrier kDsBar,
+         * 256 threads). D = 64: each warpgroup adds its own 64 keys' share of all 64 columns. dS^T
+         * is double-buffered: a warpgroup rewrites buffer it & 1 only after passing the barrier of
+         * item it - 1, which the other warpgroup reaches after its dQ MMA of item it - 2 is done. */
+        constexpr int kDqKeys = D == 128 ? KVB : 64;
+        const int key0 = D == 128 ? 0 : 64 * cw, cb = D == 128 ? cw : 0;
+        const uint32_t sKcol = sK + cb * KVB * 128 + key0 * 128;
+        float *dqa = b.dq_accum + (int64_t)g_kv * G * p.Tq * D;
         for (int it = 0; it < n_it; ++it) {
+            float st[KQB / 2], dpt[KQB / 2]; /* per item: no loop-carried accumulator copies */
+            uint32_t pf[KQB / 16][4], df[KQB / 16][4];
+            issue_sdp(st, dpt, it);
+            sm90::wg_wait<0>();
+            sm90::fence_regs(st, KQB / 2);
+            sm90::fence_regs(dpt, KQB / 2);
+            probs(st, dpt, it);
+            to_frags<T, KQB>(pf, st);
+            to_frags<T, KQB>(df, dpt);
+            /* dS^T (keys x queries, 128B-swizzled rows of 64 queries) for the dQ MMA's A operand */
+            const uint32_t sDS = sDS0 + (it & 1) * L::ds_bytes;
+#pragma unroll
+            for (int kk = 0; kk < KQB / 16; ++kk)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const uint32_t addr = sDS + sm90::sw128_offset(KVB, krow0 + 8 * (e & 1), 16 * kk + 8 * (e >> 1) + 2 * tq);
+                    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(df[kk][e]));
+                }
+            issue_dkdv(pf, df, it);
+            sm90::fence_proxy_async_smem(); /* the generic-proxy stores above, before wgmma reads */
+            if (D == 128)
+                sm90::named_sync(kDsBar, 256);
+            else
+                sm90::named_sync(1 + cw, 128);
+            float dq[32];
+            sm90::fence_regs(dq, 32);
+            sm90::wg_fence();
+#pragma unroll
+            for (int ks = 0; ks < kDqKeys / 16; ++ks)
+                sm90::wgmma<T, 64>::template ss<1, 1>(dq, sm90::desc_mnmajor(sDS + (key0 + 16 * ks) * 128, KQB * 128),
+                                                      sm90::desc_mnmajor(sKcol + ks * 16 * 128, KVB * 128), ks > 0);
+            sm90::wg_commit();
+            sm90::wg_wait<0>();
+            sm90::fence_regs(dv, D / 2);
+            sm90::fence_regs(dk, D / 2);
+            sm90::fence_regs(dq, 32);
+            fence_frags(pf, df);
+            release(it);
+            const int h = g_kv * G + it / n_q, q0 = (qt_lo + it % n_q) * KQB;
+            float *dqh = dqa + (int64_t)(h - g_kv * G) * p.Tq * D + 64 * cb + 2 * tq;
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const int q = q0 + 16 * warp + gq + 8 * r;
+                if (q < p.Tq) {
+#pragma unroll
+                    for (int j = 0; j < 8; ++j)
+                        sm90::red_add_v2(dqh + (int64_t)q * D + 8 * j, dq[4 * j + 2 * r], dq[4 * j + 2 * r + 1]);
+                }
+            }
+        }
+    } else if (!OVERLAP) {
+        for (int it = 0; it < n_it; ++it) {
+            float st[KQB / 2], dpt[KQB / 2];
+            uint32_t pf[KQB / 16][4], df[KQB / 16][4];
             issue_sdp(st, dpt, it);
             sm90::wg_wait<0>();
             sm90::fence_regs(st, KQB / 2);
@@ -271,6 +339,8 @@ __global__ void __launch_bounds__(kThreads, 1)
             release(it);
         }
     } else if (n_it > 0) {
+        float st[KQB / 2], dpt[KQB / 2];
+        uint32_t pf[KQB / 16][4], df[KQB / 16][4];
         /* dV/dK of item it and S^T/dP^T of item it + 1 run back to back on the tensor cores */
         issue_sdp(st, dpt, 0);
         for (int it = 0; it < n_it; ++it) {
@@ -418,8 +488,48 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
+/* dq[t, h, :] = scale * dq_accum[h, t, :] in T; 8 columns per thread. */
+template <typename T, int D>
+__global__ void __launch_bounds__(256) dq_convert_kernel(const float *__restrict__ acc, T *dq, int64_t st, int64_t sh,
+                                                         int Tq, int Hq, float scale) {
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, n = (int64_t)Hq * Tq * (D / 8);
+    if (i >= n) return;
+    const int c = (int)(i % (D / 8)) * 8;
+    const int64_t ht = i / (D / 8);
+    const int t = (int)(ht % Tq), h = (int)(ht / Tq);
+    const float4 a = *reinterpret_cast<const float4 *>(acc + ht * D + c);
+    const float4 b = *reinterpret_cast<const float4 *>(acc + ht * D + c + 4);
+    uint4 v;
+    v.x = elem<T>::pack(a.x * scale, a.y * scale);
+    v.y = elem<T>::pack(a.z * scale, a.w * scale);
+    v.z = elem<T>::pack(b.x * scale, b.y * scale);
+    v.w = elem<T>::pack(b.z * scale, b.w * scale);
+    *reinterpret_cast<uint4 *>(dq + (int64_t)t * st + (int64_t)h * sh + c) = v;
+}
+
 template <typename T, int D> ncp_status launch(const ncp_sink_attn_bwd_params &b, cudaStream_t stream) {
     const ncp_sink_attn_params &p = b.f;
+    const bool adq = !p.deterministic && b.dq_accum != nullptr && p.Tq > 0;
+    if (adq) NCP_CUDA_CHECK(cudaMemsetAsync(b.dq_accum, 0, sizeof(float) * (size_t)p.Hq * p.Tq * D, stream));
+    if (p.Tk > 0 && adq) {
+        CUtensorMap tk, tv, tq, tdo;
+        NCP_TRY(ncp_sm90_tensor_map(&tk, p.k, p.Tk, p.Hkv, D, p.k_st, p.k_sh, KVB));
+        NCP_TRY(ncp_sm90_tensor_map(&tv, p.v, p.Tk, p.Hkv, D, p.v_st, p.v_sh, KVB));
+        NCP_TRY(ncp_sm90_tensor_map(&tq, p.q, p.Tq, p.Hq, D, p.q_st, p.q_sh, KQB));
+        NCP_TRY(ncp_sm90_tensor_map(&tdo, b.dout, p.Tq, p.Hq, D, b.do_st, b.do_sh, KQB));
+        constexpr int bytes = bwd_layout<D, KVB, KQB, true>::bytes;
+        auto kernel = bwd_dkdv_sm90_kernel<T, D, kAtomicDq>;
+        NCP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+        kernel<<<dim3(p.Hkv, (p.Tk + KVB - 1) / KVB), kThreads, bytes, stream>>>(tk, tv, tq, tdo, b);
+        NCP_CUDA_CHECK(cudaGetLastError());
+    }
+    if (adq) {
+        const int64_t n = (int64_t)p.Hq * p.Tq * (D / 8);
+        dq_convert_kernel<T, D><<<(unsigned)((n + 255) / 256), 256, 0, stream>>>(
+            b.dq_accum, reinterpret_cast<T *>(b.dq), b.dq_st, b.dq_sh, p.Tq, p.Hq, (float)p.scale);
+        NCP_CUDA_CHECK(cudaGetLastError());
+        return NCP_OK;
+    }
     if (p.Tk > 0) {
         CUtensorMap tk, tv, tq, tdo;
         NCP_TRY(ncp_sm90_tensor_map(&tk, p.k, p.Tk, p.Hkv, D, p.k_st, p.k_sh, KVB));
@@ -428,7 +538,7 @@ template <typename T, int D> ncp_status launch(const ncp_sink_attn_bwd_params &b
         NCP_TRY(ncp_sm90_tensor_map(&tdo, b.dout, p.Tq, p.Hq, D, b.do_st, b.do_sh, KQB));
         constexpr int bytes = bwd_layout<D, KVB, KQB>::bytes;
         const char *e = getenv("NCP_SM90_BWD_OVERLAP");
-        auto kernel = (e != nullptr && e[0] == '1') ? bwd_dkdv_sm90_kernel<T, D, true> : bwd_dkdv_sm90_kernel<T, D, false>;
+        auto kernel = (e != nullptr && e[0] == '1') ? bwd_dkdv_sm90_kernel<T, D, kDetOverlap> : bwd_dkdv_sm90_kernel<T, D, kDet>;
         NCP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
         kernel<<<dim3(p.Hkv, (p.Tk + KVB - 1) / KVB), kThreads, bytes, stream>>>(tk, tv, tq, tdo, b);
         NCP_CUDA_CHECK(cudaGetLastError());

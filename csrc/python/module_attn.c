@@ -3,7 +3,7 @@
  *
  *   sink_attn_fwd(q, k, v, sink, out, lse, scale, mask, stream)
  *   sink_attn_bwd(q, k, v, sink, out, lse, dout, dq, dk, dv, dsink, delta, dsink_part, scale, mask,
- *                 deterministic, stream)
+ *                 deterministic, stream, dq_accum)
  *       mask = (cu_seqlens, window)                                     contiguous THD mode
  *            | (q_pos, q_lo, k_pos, fwd_off, fwd_ent[, dq_off, dq_ent, dkv_off, dkv_ent])   CP mode
  *   magi_geometry, magi_dispatch, plan_build (host only).
@@ -26,12 +26,12 @@ PyObject *ncp_py_plan_build(PyObject *m, PyObject *const *args, Py_ssize_t nargs
 /* ======================================================================================== */
 
 enum { A_Q, A_K, A_V, A_SINK, A_OUT, A_LSE, A_DOUT, A_DQ, A_DK, A_DV, A_DSINK, A_DELTA, A_DPART,
-       A_CU, A_QPOS, A_QLO, A_KPOS, A_FOFF, A_FENT, A_QOFF, A_QENT, A_KVOFF, A_KVENT, A_N };
+       A_CU, A_QPOS, A_QLO, A_KPOS, A_FOFF, A_FENT, A_QOFF, A_QENT, A_KVOFF, A_KVENT, A_DQACC, A_N };
 
 static const char *kNames[A_N] = {"q",        "k",          "v",       "sink",   "out",     "lse",
                                   "dout",     "dq",         "dk",      "dv",     "dsink",   "delta",
                                   "dsink_part", "cu_seqlens", "q_pos", "q_lo", "k_pos", "fwd_off", "fwd_ent",
-                                  "dq_off",   "dq_ent",     "dkv_off", "dkv_ent"};
+                                  "dq_off",   "dq_ent",     "dkv_off", "dkv_ent", "dq_accum"};
 
 typedef struct {
     ncp_view v[A_N];
@@ -171,7 +171,7 @@ static int check_grad(attn_args *a, int slot, int like, int64_t st[2], void **da
 
 PyObject *ncp_py_sink_attn_bwd(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
     (void)m;
-    if (ncp_py_nargs("sink_attn_bwd", nargs, 17) < 0) return NULL;
+    if (ncp_py_nargs("sink_attn_bwd", nargs, 18) < 0) return NULL;
     attn_args a;
     memset(&a, 0, sizeof a);
     ncp_sink_attn_bwd_params b;
@@ -181,6 +181,7 @@ PyObject *ncp_py_sink_attn_bwd(PyObject *m, PyObject *const *args, Py_ssize_t na
     static const int optional[13] = {0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 1, 1, 1};
     for (int i = 0; i < 13; ++i)
         if (view_at(&a, slots[i], args[i], optional[i]) < 0) return NULL;
+    if (view_at(&a, A_DQACC, args[17], 1) < 0) return NULL; /* its device is checked with the rest */
     if (ncp_py_f64(args[13], "scale", &b.f.scale) < 0 || parse_mask(&a, args[14], &b.f.window, 1) < 0 ||
         ncp_py_i32(args[15], "deterministic", &b.f.deterministic) < 0 || ncp_py_stream(args[16], &stream) < 0 ||
         check_forward(&a, &b.f) < 0)
@@ -211,6 +212,12 @@ PyObject *ncp_py_sink_attn_bwd(PyObject *m, PyObject *const *args, Py_ssize_t na
     b.delta = dl->present ? (float *)dl->data : NULL;
     b.dsink_part = dp->present ? (float *)dp->data : NULL;
     b.n_part = dp->present ? (int32_t)dp->shape[1] : 0;
+    ncp_view *qa = &a.v[A_DQACC];
+    const int64_t ashape[3] = {b.f.Hq, b.f.Tq, b.f.D};
+    if (qa->present && (ncp_py_expect(qa, "dq_accum", NCP_DT(NCP_DT_F32), 3, 2) < 0 ||
+                        ncp_py_shape(qa, "dq_accum", 3, ashape, "(num_heads, total_q, head_dim)") < 0))
+        return NULL;
+    b.dq_accum = qa->present ? (float *)qa->data : NULL;
     if (a.v[A_QOFF].present) {
         b.dq_off = (const int32_t *)a.v[A_QOFF].data;
         b.dq_ent = (const int32_t *)a.v[A_QENT].data;

@@ -175,7 +175,7 @@ typedef struct {
     /* Tile schedules (CUDA, positions mode): CSR over tiles, entries = tile * 2 + full. */
     const int32_t *fwd_off;  /* (ceil(Tq/NCP_FWD_BM)+1,) */
     const int32_t *fwd_ent;
-    int32_t deterministic;   /* reserved: every path is deterministic today */
+    int32_t deterministic;   /* backward: nonzero = bitwise repeatable (see dq_accum); forward: unused */
 } ncp_sink_attn_params;
 
 typedef struct {
@@ -192,6 +192,11 @@ typedef struct {
     int32_t n_part;
     const int32_t *dq_off, *dq_ent;     /* positions mode: q tiles (NCP_BWD_BM) -> kv tiles */
     const int32_t *dkv_off, *dkv_ent;   /* positions mode: kv tiles (NCP_BWD_BN) -> q tiles */
+    /* (Hq, Tq, D) fp32 contiguous workspace, or NULL. With f.deterministic == 0 the Hopper backward
+     * (contiguous mode) accumulates dQ here with atomic reductions inside the dK/dV kernel (5 MMAs
+     * per tile instead of 7; summation order, so the last bits of dq, vary from run to run). NULL or
+     * f.deterministic != 0: the deterministic two-kernel backward. Other paths ignore it. */
+    float *dq_accum;
 } ncp_sink_attn_bwd_params;
 
 /* Validates and computes out and lse. CPU: any of f16/bf16/f32/f64, accumulation in double. */
