@@ -109,7 +109,7 @@ def _sink_attn_bwd(
     det = backward_is_deterministic()
     acc = None
     if cuda and not det and q_pos is None and _C.sink_attn_bwd_variant() == 4:
-        acc = torch.empty((Hq, Tq, q.shape[2]), dtype=torch.float32, device=q.device)  # zeroed by the kernel
+        acc = torch.empty((Hq, (Tq + 63) // 64 * 64, q.shape[2]), dtype=torch.float32, device=q.device)  # zeroed there
     _C.sink_attn_bwd(
         dl(q), dl(k), dl(v), dl(sink), dl(out), dl(lse), dl(dout.contiguous()), dl(dq), dl(dk), dl(dv),
         dl(dsink if sink is not None else None), dl(delta), dl(part), float(scale), _mask_capsules(flat, True),

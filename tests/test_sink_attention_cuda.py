@@ -139,7 +139,7 @@ def test_cuda_poisoned_outputs_and_guards(ncp_seed, fwd_kernel):
     delta = torch.full((Hq, T), float("nan"), device=DEV)
     part = torch.full((Hq, _C.sink_attn_bwd_n_part(T)), float("nan"), device=DEV)
     det = int(fwd_kernel != "auto")  # auto: the atomic-dQ Hopper backward, from a poisoned accumulator
-    acc = torch.full((Hq, T, D), float("nan"), device=DEV)
+    acc = torch.full((Hq, (T + 63) // 64 * 64, D), float("nan"), device=DEV)
     _C.sink_attn_bwd(dl(q), dl(k), dl(v), dl(s), dl(out), dl(lse), dl(dout), dl(bufs[0][1]), dl(bufs[1][1]),
                      dl(bufs[2][1]), dl(dsink), dl(delta), dl(part), D**-0.5, (dl(cu), 0), det, None, dl(acc))  # fmt: skip
     torch.cuda.synchronize()

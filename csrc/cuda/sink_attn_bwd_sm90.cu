@@ -25,6 +25,7 @@
  * Test: pytest tests/test_sink_attention_cuda.py   Bench: python benchmarks/bench_sink_attention.py
  */
 #include <stdlib.h>
+#include <string.h>
 
 #include "ncp/ncp_check.h"
 #include "ncp_internal.h"
@@ -41,12 +42,15 @@ constexpr int KQB = 64;       /* dK/dV kernel: q rows per streamed tile */
 constexpr int QQB = 128;      /* dQ kernel: q rows per CTA */
 constexpr int QKB = 64;       /* dQ kernel: keys per streamed tile */
 constexpr int kDsBar = 3;     /* named barrier: both warpgroups' dS^T stored (atomic-dQ kernel) */
-enum { kDet = 0, kDetOverlap = 1, kAtomicDq = 2 }; /* dK/dV kernel modes */
+/* dK/dV kernel modes: deterministic (dQ from its own kernel), the same with MMA overlap, and dQ
+ * accumulated in the kernel, by per-thread vector reductions (RED) or by bulk async reductions
+ * of a staged 64 x 64 fp32 tile (BULK). */
+enum { kDet = 0, kDetOverlap = 1, kAtomicDq = 2, kAtomicDqBulk = 3 };
 
 /* Shared layout of both kernels: two stationary tiles of SR rows, kStages x two streamed tiles of
  * TR rows, with DS (atomic-dQ dK/dV kernel) two dS^T tiles of SR x TR, the mbarriers (stat_full, a_full[S], b_full[S], empty[S]), then kStages x TR floats of
  * lse * log2(e) and of Delta for the streamed q tiles (dK/dV kernel). */
-template <int D, int SR, int TR, bool DS = false> struct bwd_layout {
+template <int D, int SR, int TR, bool DS = false, bool STAGE = false> struct bwd_layout {
     static constexpr int stat_bytes = SR * D * 2;
     static constexpr int tile_bytes = TR * D * 2;
     static constexpr int s1_off = stat_bytes;
@@ -54,7 +58,8 @@ template <int D, int SR, int TR, bool DS = false> struct bwd_layout {
     static constexpr int b_off = a_off + kStages * tile_bytes;
     static constexpr int ds_bytes = SR * TR * 2; /* one dS^T tile: SR key rows x TR queries */
     static constexpr int ds_off = b_off + kStages * tile_bytes;
-    static constexpr int bar_off = ds_off + (DS ? 2 * ds_bytes : 0);
+    static constexpr int stage_off = ds_off + (DS ? 2 * ds_bytes : 0); /* 2 x 64 x 64 fp32 dQ tiles */
+    static constexpr int bar_off = stage_off + (STAGE ? 2 * 64 * 64 * 4 : 0);
     static constexpr int vec_off = bar_off + 128;
     static constexpr int bytes = vec_off + 2 * kStages * TR * 4 + 1024;
 };
@@ -116,6 +121,13 @@ template <typename T, int N> __device__ __forceinline__ void to_frags(uint32_t (
     }
 }
 
+/* Position (in float2 units) of a warpgroup's dQ fragment pair (warp, j, r, lane) inside a staged
+ * 64 x 64 fp32 tile in "fragment order": rows 16 warp + lane / 4 + 8 r, columns 8 j + 2 (lane % 4)
+ * + {0, 1}. A warp's 32 lanes write 256 contiguous bytes (no bank conflicts). */
+__host__ __device__ __forceinline__ int dq_frag_pos(int warp, int j, int r, int lane) {
+    return ((warp * 8 + j) * 2 + r) * 32 + lane;
+}
+
 /* ======================================================================================== */
 /* dK / dV                                                                                   */
 /* ======================================================================================== */
@@ -125,13 +137,13 @@ __global__ void __launch_bounds__(kThreads, 1)
                          const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_do,
                          const ncp_sink_attn_bwd_params b) {
 #ifdef NCP_SM90_DEVICE
-    constexpr bool OVERLAP = MODE == kDetOverlap, ADQ = MODE == kAtomicDq;
-    using L = bwd_layout<D, KVB, KQB, ADQ>;
+    constexpr bool OVERLAP = MODE == kDetOverlap, BULK = MODE == kAtomicDqBulk, ADQ = MODE == kAtomicDq || BULK;
+    using L = bwd_layout<D, KVB, KQB, ADQ, BULK>;
     const ncp_sink_attn_params &p = b.f;
     extern __shared__ unsigned char smem_raw[];
     const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
     const uint32_t sK = base, sV = base + L::s1_off, sQ0 = base + L::a_off, sO0 = base + L::b_off;
-    const uint32_t sDS0 = base + L::ds_off;
+    const uint32_t sDS0 = base + L::ds_off, sStage = base + L::stage_off;
     const bars bar{base + L::bar_off};
     float *s_l2 = reinterpret_cast<float *>(smem_raw + (base - smem_u32(smem_raw)) + L::vec_off); /* [S][KQB] */
     float *s_dl = s_l2 + kStages * KQB;
@@ -259,16 +271,23 @@ __global__ void __launch_bounds__(kThreads, 1)
     };
 
     if (ADQ) {
-        /* dQ of the item's 64 query rows, dS K, accumulated in fp32 with vector reductions into
-         * b.dq_accum (Hq, Tq, D). D = 128: warpgroup cw computes columns [64 cw, 64 cw + 64) over
-         * all 128 keys, so both warpgroups' dS^T must be in shared memory (named barrier kDsBar,
-         * 256 threads). D = 64: each warpgroup adds its own 64 keys' share of all 64 columns. dS^T
-         * is double-buffered: a warpgroup rewrites buffer it & 1 only after passing the barrier of
-         * item it - 1, which the other warpgroup reaches after its dQ MMA of item it - 2 is done. */
+        /* dQ of the item's 64 query rows, dS K, accumulated in fp32 into b.dq_accum. D = 128:
+         * warpgroup cw computes columns [64 cw, 64 cw + 64) over all 128 keys, so both warpgroups'
+         * dS^T must be in shared memory (named barrier kDsBar, 256 threads). D = 64: each warpgroup
+         * adds its own 64 keys' share of all 64 columns. dS^T is double-buffered: a warpgroup
+         * rewrites buffer it & 1 only after passing the barrier of item it - 1, which the other
+         * warpgroup reaches after its dQ MMA of item it - 2 is done.
+         * RED: dq_accum is (Hq, Tq, D); each thread adds its fragments with red.global.add.v2.f32.
+         * BULK: dq_accum is (Hq, ceil(Tq / 64), D / 64, 4096) in fragment order (dq_frag_index);
+         *   the warpgroup stages its 64 x 64 tile in shared memory and one thread adds it with one
+         *   asynchronous bulk reduction; the staging tile is rewritten only after that thread has
+         *   waited for the previous reduction's reads, before the barrier that precedes the MMA. */
         constexpr int kDqKeys = D == 128 ? KVB : 64;
         const int key0 = D == 128 ? 0 : 64 * cw, cb = D == 128 ? cw : 0;
         const uint32_t sKcol = sK + cb * KVB * 128 + key0 * 128;
-        float *dqa = b.dq_accum + (int64_t)g_kv * G * p.Tq * D;
+        const uint32_t sStw = sStage + cw * 64 * 64 * 4;
+        const bool leader = (tid & 127) == 0;
+        const int n_qt = (p.Tq + KQB - 1) / KQB;
         for (int it = 0; it < n_it; ++it) {
             float st[KQB / 2], dpt[KQB / 2]; /* per item: no loop-carried accumulator copies */
             uint32_t pf[KQB / 16][4], df[KQB / 16][4];
@@ -290,6 +309,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                 }
             issue_dkdv(pf, df, it);
             sm90::fence_proxy_async_smem(); /* the generic-proxy stores above, before wgmma reads */
+            if (BULK && leader) sm90::bulk_wait_read<0>(); /* staging free once this barrier passes */
             if (D == 128)
                 sm90::named_sync(kDsBar, 256);
             else
@@ -308,18 +328,34 @@ __global__ void __launch_bounds__(kThreads, 1)
             sm90::fence_regs(dq, 32);
             fence_frags(pf, df);
             release(it);
-            const int h = g_kv * G + it / n_q, q0 = (qt_lo + it % n_q) * KQB;
-            float *dqh = dqa + (int64_t)(h - g_kv * G) * p.Tq * D + 64 * cb + 2 * tq;
+            const int h = g_kv * G + it / n_q, qt = qt_lo + it % n_q, q0 = qt * KQB;
+            if (BULK) {
 #pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                const int q = q0 + 16 * warp + gq + 8 * r;
-                if (q < p.Tq) {
+                for (int j = 0; j < 8; ++j)
 #pragma unroll
-                    for (int j = 0; j < 8; ++j)
-                        sm90::red_add_v2(dqh + (int64_t)q * D + 8 * j, dq[4 * j + 2 * r], dq[4 * j + 2 * r + 1]);
+                    for (int r = 0; r < 2; ++r)
+                        asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(sStw + 8 * dq_frag_pos(warp, j, r, lane)),
+                                     "f"(dq[4 * j + 2 * r]), "f"(dq[4 * j + 2 * r + 1]));
+                sm90::fence_proxy_async_smem();
+                sm90::named_sync(1 + cw, 128);
+                if (leader) {
+                    float *dst = b.dq_accum + (((int64_t)h * n_qt + qt) * (D / 64) + cb) * 4096;
+                    sm90::bulk_reduce_add_f32(dst, sStw, 64 * 64 * 4);
+                }
+            } else {
+                float *dqh = b.dq_accum + (int64_t)h * p.Tq * D + 64 * cb + 2 * tq;
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const int q = q0 + 16 * warp + gq + 8 * r;
+                    if (q < p.Tq) {
+#pragma unroll
+                        for (int j = 0; j < 8; ++j)
+                            sm90::red_add_v2(dqh + (int64_t)q * D + 8 * j, dq[4 * j + 2 * r], dq[4 * j + 2 * r + 1]);
+                    }
                 }
             }
         }
+        if (BULK && leader) sm90::bulk_wait_read<0>(); /* shared memory must outlive the last reads */
     } else if (!OVERLAP) {
         for (int it = 0; it < n_it; ++it) {
             float st[KQB / 2], dpt[KQB / 2];
@@ -488,8 +524,9 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
-/* dq[t, h, :] = scale * dq_accum[h, t, :] in T; 8 columns per thread. */
-template <typename T, int D>
+/* dq[t, h, :] = scale * dq_accum in T; 8 columns per thread. RED layout: dq_accum[h, t, :]; BULK
+ * layout: 64 x 64 tiles (h, t / 64, d / 64) in fragment order (dq_frag_pos). */
+template <typename T, int D, bool BULK>
 __global__ void __launch_bounds__(256) dq_convert_kernel(const float *__restrict__ acc, T *dq, int64_t st, int64_t sh,
                                                          int Tq, int Hq, float scale) {
     const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, n = (int64_t)Hq * Tq * (D / 8);
@@ -497,8 +534,14 @@ __global__ void __launch_bounds__(256) dq_convert_kernel(const float *__restrict
     const int c = (int)(i % (D / 8)) * 8;
     const int64_t ht = i / (D / 8);
     const int t = (int)(ht % Tq), h = (int)(ht / Tq);
-    const float4 a = *reinterpret_cast<const float4 *>(acc + ht * D + c);
-    const float4 b = *reinterpret_cast<const float4 *>(acc + ht * D + c + 4);
+    const float *src = acc + ht * D + c;
+    if (BULK) {
+        const int n_qt = (Tq + 63) / 64, row = t % 64, rr = row % 16;
+        const int64_t tile = ((int64_t)h * n_qt + t / 64) * (D / 64) + c / 64;
+        src = acc + tile * 4096 + 2 * dq_frag_pos(row / 16, (c % 64) / 8, rr / 8, (rr % 8) * 4);
+    }
+    const float4 a = *reinterpret_cast<const float4 *>(src);
+    const float4 b = *reinterpret_cast<const float4 *>(src + 4);
     uint4 v;
     v.x = elem<T>::pack(a.x * scale, a.y * scale);
     v.y = elem<T>::pack(a.z * scale, a.w * scale);
@@ -507,29 +550,39 @@ __global__ void __launch_bounds__(256) dq_convert_kernel(const float *__restrict
     *reinterpret_cast<uint4 *>(dq + (int64_t)t * st + (int64_t)h * sh + c) = v;
 }
 
-template <typename T, int D> ncp_status launch(const ncp_sink_attn_bwd_params &b, cudaStream_t stream) {
+/* NCP_SM90_DQ=red|bulk picks how the atomic-dQ kernel adds dQ (read per call; default bulk). */
+static bool dq_bulk() {
+    const char *e = getenv("NCP_SM90_DQ");
+    return !(e != nullptr && strcmp(e, "red") == 0);
+}
+
+template <typename T, int D, int MODE> ncp_status launch_adq(const ncp_sink_attn_bwd_params &b, cudaStream_t stream) {
     const ncp_sink_attn_params &p = b.f;
-    const bool adq = !p.deterministic && b.dq_accum != nullptr && p.Tq > 0;
-    if (adq) NCP_CUDA_CHECK(cudaMemsetAsync(b.dq_accum, 0, sizeof(float) * (size_t)p.Hq * p.Tq * D, stream));
-    if (p.Tk > 0 && adq) {
+    const size_t n_acc = (size_t)p.Hq * ((p.Tq + 63) / 64) * 64 * D;
+    NCP_CUDA_CHECK(cudaMemsetAsync(b.dq_accum, 0, sizeof(float) * n_acc, stream));
+    if (p.Tk > 0) {
         CUtensorMap tk, tv, tq, tdo;
         NCP_TRY(ncp_sm90_tensor_map(&tk, p.k, p.Tk, p.Hkv, D, p.k_st, p.k_sh, KVB));
         NCP_TRY(ncp_sm90_tensor_map(&tv, p.v, p.Tk, p.Hkv, D, p.v_st, p.v_sh, KVB));
         NCP_TRY(ncp_sm90_tensor_map(&tq, p.q, p.Tq, p.Hq, D, p.q_st, p.q_sh, KQB));
         NCP_TRY(ncp_sm90_tensor_map(&tdo, b.dout, p.Tq, p.Hq, D, b.do_st, b.do_sh, KQB));
-        constexpr int bytes = bwd_layout<D, KVB, KQB, true>::bytes;
-        auto kernel = bwd_dkdv_sm90_kernel<T, D, kAtomicDq>;
+        constexpr int bytes = bwd_layout<D, KVB, KQB, true, MODE == kAtomicDqBulk>::bytes;
+        auto kernel = bwd_dkdv_sm90_kernel<T, D, MODE>;
         NCP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
         kernel<<<dim3(p.Hkv, (p.Tk + KVB - 1) / KVB), kThreads, bytes, stream>>>(tk, tv, tq, tdo, b);
         NCP_CUDA_CHECK(cudaGetLastError());
     }
-    if (adq) {
-        const int64_t n = (int64_t)p.Hq * p.Tq * (D / 8);
-        dq_convert_kernel<T, D><<<(unsigned)((n + 255) / 256), 256, 0, stream>>>(
-            b.dq_accum, reinterpret_cast<T *>(b.dq), b.dq_st, b.dq_sh, p.Tq, p.Hq, (float)p.scale);
-        NCP_CUDA_CHECK(cudaGetLastError());
-        return NCP_OK;
-    }
+    const int64_t n = (int64_t)p.Hq * p.Tq * (D / 8);
+    dq_convert_kernel<T, D, MODE == kAtomicDqBulk><<<(unsigned)((n + 255) / 256), 256, 0, stream>>>(
+        b.dq_accum, reinterpret_cast<T *>(b.dq), b.dq_st, b.dq_sh, p.Tq, p.Hq, (float)p.scale);
+    NCP_CUDA_CHECK(cudaGetLastError());
+    return NCP_OK;
+}
+
+template <typename T, int D> ncp_status launch(const ncp_sink_attn_bwd_params &b, cudaStream_t stream) {
+    const ncp_sink_attn_params &p = b.f;
+    if (!p.deterministic && b.dq_accum != nullptr && p.Tq > 0)
+        return dq_bulk() ? launch_adq<T, D, kAtomicDqBulk>(b, stream) : launch_adq<T, D, kAtomicDq>(b, stream);
     if (p.Tk > 0) {
         CUtensorMap tk, tv, tq, tdo;
         NCP_TRY(ncp_sm90_tensor_map(&tk, p.k, p.Tk, p.Hkv, D, p.k_st, p.k_sh, KVB));

@@ -261,7 +261,7 @@ static PyMethodDef methods[] = {
      "sink_attn_fwd(q, k, v, sink, out, lse, scale, mask, stream)."},
     {"sink_attn_bwd", (PyCFunction)(void (*)(void))ncp_py_sink_attn_bwd, METH_FASTCALL,
      "sink_attn_bwd(q, k, v, sink, out, lse, dout, dq, dk, dv, dsink, delta, dsink_part, scale, mask, "
-     "deterministic, stream, dq_accum). dq_accum: None or a (Hq, Tq, D) fp32 workspace for the "
+     "deterministic, stream, dq_accum). dq_accum: None or a (Hq, ceil(Tq/64)*64, D) fp32 workspace for the "
      "non-deterministic Hopper backward."},
     {"sink_attn_bwd_n_part", (PyCFunction)(void (*)(void))ncp_py_sink_attn_bwd_n_part, METH_FASTCALL,
      "sink_attn_bwd_n_part(Tq) -> dsink partials per head (CUDA backward workspace)."},

@@ -213,9 +213,9 @@ PyObject *ncp_py_sink_attn_bwd(PyObject *m, PyObject *const *args, Py_ssize_t na
     b.dsink_part = dp->present ? (float *)dp->data : NULL;
     b.n_part = dp->present ? (int32_t)dp->shape[1] : 0;
     ncp_view *qa = &a.v[A_DQACC];
-    const int64_t ashape[3] = {b.f.Hq, b.f.Tq, b.f.D};
+    const int64_t ashape[3] = {b.f.Hq, (b.f.Tq + 63) / 64 * 64, b.f.D};
     if (qa->present && (ncp_py_expect(qa, "dq_accum", NCP_DT(NCP_DT_F32), 3, 2) < 0 ||
-                        ncp_py_shape(qa, "dq_accum", 3, ashape, "(num_heads, total_q, head_dim)") < 0))
+                        ncp_py_shape(qa, "dq_accum", 3, ashape, "(num_heads, total_q rounded up to 64, head_dim)") < 0))
         return NULL;
     b.dq_accum = qa->present ? (float *)qa->data : NULL;
     if (a.v[A_QOFF].present) {

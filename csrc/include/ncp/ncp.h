@@ -192,10 +192,11 @@ typedef struct {
     int32_t n_part;
     const int32_t *dq_off, *dq_ent;     /* positions mode: q tiles (NCP_BWD_BM) -> kv tiles */
     const int32_t *dkv_off, *dkv_ent;   /* positions mode: kv tiles (NCP_BWD_BN) -> q tiles */
-    /* (Hq, Tq, D) fp32 contiguous workspace, or NULL. With f.deterministic == 0 the Hopper backward
-     * (contiguous mode) accumulates dQ here with atomic reductions inside the dK/dV kernel (5 MMAs
-     * per tile instead of 7; summation order, so the last bits of dq, vary from run to run). NULL or
-     * f.deterministic != 0: the deterministic two-kernel backward. Other paths ignore it. */
+    /* (Hq, ceil(Tq / 64) * 64, D) fp32 contiguous workspace, 16-byte aligned, or NULL. With
+     * f.deterministic == 0 the Hopper backward (contiguous mode) zeroes it and accumulates dQ there
+     * with atomic reductions inside the dK/dV kernel (5 MMAs per tile instead of 7; the summation
+     * order, so the last bits of dq, vary from run to run). NULL or f.deterministic != 0: the
+     * deterministic two-kernel backward. Other paths ignore it. */
     float *dq_accum;
 } ncp_sink_attn_bwd_params;
 
