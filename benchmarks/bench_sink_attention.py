@@ -42,6 +42,9 @@ QUICK = {"quick-causal": (8192, 2048, 8, 2, 128, 0), "quick-w128": (8192, 2048, 
 def _flex_runner(lengths, window, hq):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+    # A fresh compile per case: after dynamo's recompile limit (8 per code object) flex_attention
+    # would fall back to eager, which materializes the T x T scores and runs out of memory.
+    torch._dynamo.reset()
     T = sum(lengths)
     doc = torch.repeat_interleave(torch.arange(len(lengths), device="cuda"), torch.tensor(lengths, device="cuda"))
 
