@@ -94,11 +94,12 @@ def bench_case(name, spec, *, flex: bool, reps: int) -> list[dict]:
     from nemo_cp_native._ops import _C
 
     kernel = {4: "sm90 fwd"}.get(_C.sink_attn_fwd_variant(), f"mma.sync fwd v{_C.sink_attn_fwd_variant()}")
-    kernel += {4: " + sm90 bwd (atomic dQ, bulk)"}.get(_C.sink_attn_bwd_variant(), " + mma.sync bwd")
+    kernel += {4: " + sm90 bwd (atomic dQ)"}.get(_C.sink_attn_bwd_variant(), " + mma.sync bwd")
     ref_out = ncp.sink_attention(q, k, v, sink, cu, window=window)
     impls = [("ncp", leaves[3], {}, kernel), ("ncp-nosink", None, {}, kernel)]
     if _C.sink_attn_fwd_variant() == 4:  # the other forward kernels on the same card, for comparison
-        impls.append(("ncp-sm90-serial", leaves[3], {"NCP_SM90_FWD_SCHED": "serial"}, "sm90 fwd, serial schedule"))
+        impls.append(("ncp-fwd-serial", leaves[3], {"NCP_SM90_FWD_SCHED": "serial"}, "sm90 fwd, serial schedule"))
+        impls.append(("ncp-fwd-pingpong", leaves[3], {"NCP_SM90_FWD_SCHED": "pingpong"}, "sm90 fwd, ping-pong schedule"))
     if _C.sink_attn_bwd_variant() == 4:
         impls.append(("ncp-sm90-dq-red", leaves[3], {"NCP_SM90_DQ": "red"}, "sm90 atomic-dQ bwd, per-thread reductions"))
         impls.append(("ncp-deterministic", leaves[3], {"NCP_DETERMINISTIC": "1"}, "sm90 deterministic bwd (dQ kernel)"))

@@ -25,10 +25,10 @@ DEV = "cuda"
 
 @pytest.fixture(params=["auto", "sm90-fwd-serial", "sm90-bwd-overlap", "portable"])
 def fwd_kernel(request, monkeypatch):
-    """Runs a test on the default kernels (on an H200: the ping-pong forward and the atomic-dQ
-    backward), on the serial Hopper forward with the deterministic Hopper backward, on the
-    deterministic Hopper dK/dV kernel with MMA overlap, and on the portable mma.sync forward and
-    backward (the switches are read at each call)."""
+    """Runs a test on the default kernels (on an H200: the Hopper forward with its default schedule
+    per mask and the atomic-dQ backward), on the serial Hopper forward with the deterministic
+    Hopper backward, on the ping-pong Hopper forward with the deterministic dK/dV kernel with MMA
+    overlap, and on the portable mma.sync forward and backward (switches are read at each call)."""
     for var in ("NCP_FWD_VARIANT", "NCP_BWD_VARIANT", "NCP_SM90_FWD_SCHED", "NCP_SM90_BWD_OVERLAP", "NCP_DETERMINISTIC"):
         monkeypatch.delenv(var, raising=False)
     if request.param == "portable":
@@ -38,6 +38,7 @@ def fwd_kernel(request, monkeypatch):
         monkeypatch.setenv("NCP_SM90_FWD_SCHED", "serial")
         monkeypatch.setenv("NCP_DETERMINISTIC", "1")
     elif request.param == "sm90-bwd-overlap":
+        monkeypatch.setenv("NCP_SM90_FWD_SCHED", "pingpong")
         monkeypatch.setenv("NCP_SM90_BWD_OVERLAP", "1")
         monkeypatch.setenv("NCP_DETERMINISTIC", "1")
     return request.param

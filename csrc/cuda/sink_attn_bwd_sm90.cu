@@ -224,31 +224,46 @@ __global__ void __launch_bounds__(kThreads, 1)
         sm90::mbar_wait(bar.b(s), ph);
         sm90::gemm_ss<T, KQB, D>(dpt, sVw, KVB * 128, sO, KQB * 128);
     };
-    /* P^T and dS^T of item it in place; columns are queries q0 + 8j + 2tq + c, rows the two keys */
-    auto probs = [&](float *st, float *dpt, int it) {
-        const int s = it % kStages, q0 = (qt_lo + it % n_q) * KQB;
+    /* Whether every (key, query) pair of item it is visible (no mask needed). */
+    auto item_full = [&](int it) {
+        const int q0 = (qt_lo + it % n_q) * KQB;
         const int lo_last = first_key(p.cu_seqlens, p.n_cu, p.window, min(q0 + KQB, p.Tq) - 1);
-        const bool full = q0 + KQB <= p.Tq && k0 + KVB <= p.Tk && k0 + KVB - 1 <= q0 && k0 >= lo_last;
+        return q0 + KQB <= p.Tq && k0 + KVB <= p.Tk && k0 + KVB - 1 <= q0 && k0 >= lo_last;
+    };
+    /* P^T and dS^T of item it in place for accumulator column blocks j in [j0, j1); columns are
+     * queries q0 + 8j + 2tq + c, rows the two keys */
+    auto probs_cols = [&](float *st, float *dpt, int it, bool full, int j0, int j1) {
+        const int s = it % kStages, q0 = (qt_lo + it % n_q) * KQB;
 #pragma unroll
-        for (int j = 0; j < KQB / 8; ++j)
+        for (int j = j0; j < j1; ++j)
 #pragma unroll
             for (int c = 0; c < 2; ++c) {
-                const int q = q0 + 8 * j + 2 * tq + c;
-                const bool q_ok = q < p.Tq;
                 const float l2 = s_l2[s * KQB + 8 * j + 2 * tq + c];
                 const float dl = s_dl[s * KQB + 8 * j + 2 * tq + c];
 #pragma unroll
                 for (int r = 0; r < 2; ++r) {
                     const int e = 2 * r + c;
-                    bool vis = true;
-                    if (!full)
-                        vis = q_ok && kpos[r] <= q && q < kend[r] && (p.window <= 0 || q - kpos[r] < p.window);
-                    const float pv = vis ? ex2(st[4 * j + e] * scale_log2 - l2) : 0.f;
+                    const float pv = ex2(st[4 * j + e] * scale_log2 - l2);
                     st[4 * j + e] = pv;
                     dpt[4 * j + e] = pv * (dpt[4 * j + e] - dl);
                 }
             }
+        if (!full) { /* a separate pass, so full items carry none of the mask's registers */
+#pragma unroll
+            for (int j = j0; j < j1; ++j)
+#pragma unroll
+                for (int c = 0; c < 2; ++c) {
+                    const int q = q0 + 8 * j + 2 * tq + c;
+#pragma unroll
+                    for (int r = 0; r < 2; ++r) {
+                        const int e = 2 * r + c;
+                        const bool vis = q < p.Tq && kpos[r] <= q && q < kend[r] && (p.window <= 0 || q - kpos[r] < p.window);
+                        if (!vis) st[4 * j + e] = dpt[4 * j + e] = 0.f; /* overwrites inf/nan of hidden pairs */
+                    }
+                }
+        }
     };
+    auto probs = [&](float *st, float *dpt, int it) { probs_cols(st, dpt, it, item_full(it), 0, KQB / 8); };
     /* dV += P^T dO, dK += dS^T Q of item it, issued asynchronously */
     auto issue_dkdv = [&](uint32_t (*pf)[4], uint32_t (*df)[4], int it) {
         const int s = it % kStages;
@@ -290,24 +305,38 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int n_qt = (p.Tq + KQB - 1) / KQB;
         for (int it = 0; it < n_it; ++it) {
             float st[KQB / 2], dpt[KQB / 2]; /* per item: no loop-carried accumulator copies */
-            uint32_t pf[KQB / 16][4], df[KQB / 16][4];
+            uint32_t pf[KQB / 16][4];
             issue_sdp(st, dpt, it);
             sm90::wg_wait<0>();
             sm90::fence_regs(st, KQB / 2);
             sm90::fence_regs(dpt, KQB / 2);
-            probs(st, dpt, it);
-            to_frags<T, KQB>(pf, st);
-            to_frags<T, KQB>(df, dpt);
-            /* dS^T (keys x queries, 128B-swizzled rows of 64 queries) for the dQ MMA's A operand */
+            /* P^T into fragments and dS^T (keys x queries, 128B-swizzled rows of 64 queries) into
+             * shared memory, 16 queries at a time to bound the live registers. dS^T is the A operand
+             * of dK += dS^T Q (K-major, this warpgroup's 64 rows) and of dQ = dS K (MN-major), both
+             * from shared memory, so no dS fragments stay in registers while the MMAs run. */
             const uint32_t sDS = sDS0 + (it & 1) * L::ds_bytes;
+            const bool full = item_full(it);
 #pragma unroll
-            for (int kk = 0; kk < KQB / 16; ++kk)
+            for (int kk = 0; kk < KQB / 16; ++kk) {
+                probs_cols(st, dpt, it, full, 2 * kk, 2 * kk + 2);
+                pf[kk][0] = elem<T>::pack(st[8 * kk + 0], st[8 * kk + 1]);
+                pf[kk][1] = elem<T>::pack(st[8 * kk + 2], st[8 * kk + 3]);
+                pf[kk][2] = elem<T>::pack(st[8 * kk + 4], st[8 * kk + 5]);
+                pf[kk][3] = elem<T>::pack(st[8 * kk + 6], st[8 * kk + 7]);
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
+                    const int c = 8 * kk + 2 * (e & 1) + 4 * (e >> 1); /* the to_frags pairing */
+                    const uint32_t v = elem<T>::pack(dpt[c], dpt[c + 1]);
                     const uint32_t addr = sDS + sm90::sw128_offset(KVB, krow0 + 8 * (e & 1), 16 * kk + 8 * (e >> 1) + 2 * tq);
-                    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(df[kk][e]));
+                    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v));
                 }
-            issue_dkdv(pf, df, it);
+            }
+            const int s = it % kStages;
+            const uint32_t sQs = sQ0 + s * L::tile_bytes, sOs = sO0 + s * L::tile_bytes;
+            sm90::fence_regs(dv, D / 2);
+            sm90::wg_fence();
+            sm90::rs_steps<T, D, KQB>(dv, pf, sOs, KQB * 128); /* dV += P^T dO */
+            sm90::wg_commit();
             sm90::fence_proxy_async_smem(); /* the generic-proxy stores above, before wgmma reads */
             if (BULK && leader) sm90::bulk_wait_read<0>(); /* staging free once this barrier passes */
             if (D == 128)
@@ -315,10 +344,15 @@ __global__ void __launch_bounds__(kThreads, 1)
             else
                 sm90::named_sync(1 + cw, 128);
             float dq[32];
+            sm90::fence_regs(dk, D / 2);
             sm90::fence_regs(dq, 32);
             sm90::wg_fence();
 #pragma unroll
-            for (int ks = 0; ks < kDqKeys / 16; ++ks)
+            for (int ks = 0; ks < KQB / 16; ++ks) /* dK += dS^T Q */
+                sm90::wgmma<T, D>::template ss<0, 1>(dk, sm90::desc_kmajor(sDS + 64 * cw * 128 + ks * 32),
+                                                     sm90::desc_mnmajor(sQs + ks * 16 * 128, KQB * 128), 1);
+#pragma unroll
+            for (int ks = 0; ks < kDqKeys / 16; ++ks) /* dQ (this warpgroup's share) = dS K */
                 sm90::wgmma<T, 64>::template ss<1, 1>(dq, sm90::desc_mnmajor(sDS + (key0 + 16 * ks) * 128, KQB * 128),
                                                       sm90::desc_mnmajor(sKcol + ks * 16 * 128, KVB * 128), ks > 0);
             sm90::wg_commit();
@@ -326,7 +360,10 @@ __global__ void __launch_bounds__(kThreads, 1)
             sm90::fence_regs(dv, D / 2);
             sm90::fence_regs(dk, D / 2);
             sm90::fence_regs(dq, 32);
-            fence_frags(pf, df);
+#pragma unroll
+            for (int kk = 0; kk < KQB / 16; ++kk)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(pf[kk][e])::"memory");
             release(it);
             const int h = g_kv * G + it / n_q, qt = qt_lo + it % n_q, q0 = qt * KQB;
             if (BULK) {

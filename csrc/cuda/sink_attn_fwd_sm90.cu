@@ -37,7 +37,6 @@ namespace {
 constexpr int HBM = 128;          /* query rows per CTA: two consumer warpgroups of 64 */
 constexpr int kThreads = 384;     /* producer + 2 consumer warpgroups */
 constexpr int kStages = 2;
-constexpr bool kDefaultPingPong = true;
 constexpr int kPP = 3;            /* named barriers kPP, kPP + 1: ping-pong turns (1, 2: epilogue) */
 
 template <int D, int BN> struct fwd_layout {
@@ -353,10 +352,13 @@ template <typename T, int D, bool PINGPONG> ncp_status launch_mode(const ncp_sin
     return p.q_pos != nullptr ? launch<T, D, NCP_FWD_BN, PINGPONG>(p, s) : launch<T, D, 128, PINGPONG>(p, s);
 }
 
-/* NCP_SM90_FWD_SCHED=serial|pingpong (read on every call); anything else: the default. */
+/* Schedule: NCP_SM90_FWD_SCHED=serial|pingpong (read on every call); otherwise serial for
+ * contiguous full-causal masks (measured faster on the H200: 529-531 vs 491-492 TFLOP/s on 32k
+ * documents, about even on 8k) and ping-pong for windows and the positions (CP) mode (faster at
+ * window 128, even at 513). BENCHMARKS.md section 1. */
 template <typename T, int D> ncp_status launch_any(const ncp_sink_attn_params &p, cudaStream_t s) {
     const char *e = getenv("NCP_SM90_FWD_SCHED");
-    bool pingpong = kDefaultPingPong;
+    bool pingpong = p.q_pos != nullptr || p.window > 0;
     if (e != nullptr && strcmp(e, "serial") == 0) pingpong = false;
     if (e != nullptr && strcmp(e, "pingpong") == 0) pingpong = true;
     return pingpong ? launch_mode<T, D, true>(p, s) : launch_mode<T, D, false>(p, s);
