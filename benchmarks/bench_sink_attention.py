@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -71,7 +72,19 @@ def _to_bhtd(t):
     return t.detach().transpose(0, 1).unsqueeze(0).contiguous()
 
 
-def bench_case(name, spec, *, flex: bool, reps: int) -> list[dict]:
+def _heat(seconds: float, fn) -> None:
+    """Runs fn for about `seconds` so every implementation is timed in the same (hot, power- and
+    clock-settled) GPU state; without it the first rows of a case run on a cool GPU."""
+    if seconds <= 0:
+        return
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        fn()
+        torch.cuda.synchronize()
+
+
+def bench_case(name, spec, *, flex: bool, reps: int, heat: float = 0.0) -> list[dict]:
     total, doc_len, hq, hkv, d, window = spec
     lengths = doc_lengths(total, f"equal:{doc_len}")
     g = torch.Generator().manual_seed(1234)
@@ -122,6 +135,7 @@ def bench_case(name, spec, *, flex: bool, reps: int) -> list[dict]:
         try:
             if env:  # same answer as the default kernel before timing
                 note += f"; max|x-ncp|={(fwd().float() - ref_out.float()).abs().max().item():.3g}"
+            _heat(heat, fwdbwd)
             record(impl, time_cuda(fwd, reps=reps), time_cuda(fwdbwd, reps=max(3, reps // 2)), note)
         finally:
             for key, val in saved.items():
@@ -146,6 +160,8 @@ def bench_case(name, spec, *, flex: bool, reps: int) -> list[dict]:
             def ffb():
                 run(fq, fk, fv, fs).backward(fdout)
 
+            _heat(heat, ffb)
+
             record("flex+sink", time_cuda(ffwd, reps=reps), time_cuda(ffb, reps=max(3, reps // 2)),
                    f"max|flex-ncp|={err:.3g}")  # fmt: skip
         except Exception as exc:  # noqa: BLE001 - report, keep benchmarking
@@ -166,6 +182,7 @@ def bench_case(name, spec, *, flex: bool, reps: int) -> list[dict]:
             F.scaled_dot_product_attention(sq, sk, sv, is_causal=True, enable_gqa=True).backward(sdout)
 
         try:
+            _heat(heat, sfb)
             record("sdpa(no sink)", time_cuda(sfwd, reps=reps), time_cuda(sfb, reps=max(3, reps // 2)))
         except Exception as exc:  # noqa: BLE001
             rows.append({"case": name, "impl": "sdpa(no sink)", "note": f"failed: {exc}"[:200]})
@@ -178,6 +195,7 @@ def main(argv=None):
     ap.add_argument("--cases", default="", help="comma list of case names (default: all)")
     ap.add_argument("--no-flex", action="store_true")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--heat", type=float, default=0.0, help="seconds of fwd+bwd before timing each implementation")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available() or not ncp.has_cuda():
@@ -189,7 +207,7 @@ def main(argv=None):
     rows = []
     env = env_record()
     for name, spec in cases.items():
-        new = bench_case(name, spec, flex=not args.no_flex, reps=args.reps)
+        new = bench_case(name, spec, flex=not args.no_flex, reps=args.reps, heat=args.heat)
         rows += new
         print_table(new, ["case", "impl", "fwd_ms", "fwd_tflops", "fwdbwd_ms", "fwdbwd_tflops", "note"])
         sys.stdout.flush()
