@@ -1,9 +1,8 @@
 /*
  * cuda/sink_attn_bwd_sm90.cu: learned-sink attention backward for Hopper (sm_90a), contiguous
  * mode: TMA + wgmma, warp-specialized like sink_attn_fwd_sm90.cu (one producer warpgroup issuing
- * TMA into mbarrier-guarded stages, two consumer warpgroups with setmaxnreg). Deterministic: no
- * atomics; dK/dV and dQ come from two kernels, as in the portable backward (sink_attn_bwd.cu),
- * which still runs the pre-pass (Delta = rowsum(dO * O) and the dsink partials) before these.
+ * TMA into mbarrier-guarded stages, two consumer warpgroups with setmaxnreg). The portable
+ * pre-pass (sink_attn_bwd.cu: Delta = rowsum(dO * O) and the dsink partials) runs before these.
  *
  * In the log2 domain with x = s log2(e) <q, k>:  P = 2^(x - lse log2(e)) on visible pairs,
  *   dS = P (dP - Delta),  dP = dO V^T,  dV = sum P^T dO,  dK = s sum dS^T Q,  dQ = s sum dS K.
@@ -11,17 +10,27 @@
  * dK/dV kernel: CTA = 128 keys of one kv head (64 per consumer warpgroup), K and V stationary in
  *   shared memory; it walks (query head of the group, q tile of 64 rows) over the q tiles that see
  *   a key of the CTA, streaming Q and dO tiles. Per tile and warpgroup: S^T = K Q^T and
- *   dP^T = V dO^T (A and B from shared memory), P^T and dS^T in registers, then dV += P^T dO and
- *   dK += dS^T Q (A from registers, B MN-major from shared memory).
- * dQ kernel: CTA = 128 query rows of one head (64 per consumer warpgroup), Q and dO stationary;
- *   it walks the kv tiles of 64 keys the rows see (as the forward), streaming K and V:
- *   S = Q K^T, dP = dO V^T, then dQ += dS K.
+ *   dP^T = V dO^T (A and B from shared memory), P^T and dS^T in registers (the mask is a separate
+ *   pass on partial tiles only: folded into the exponentials it cost enough registers for ptxas to
+ *   serialize every wgmma), then dV += P^T dO (A from registers) and dK += dS^T Q.
+ * Modes (template MODE):
+ *   kAtomicDq / kAtomicDqBulk (default; not under NCP_DETERMINISTIC=1 or torch deterministic mode):
+ *     dS^T also goes to shared memory; dK += dS^T Q and dQ = dS K read it from there, and dQ is
+ *     added into the fp32 workspace b.dq_accum: by one bulk asynchronous reduction of a staged
+ *     64 x 64 tile per warpgroup and item (BULK, default), or by per-thread red.global.add.v2.f32
+ *     (NCP_SM90_DQ=red, slower). A small kernel then writes dq = scale * dq_accum. 5 MMAs per
+ *     tile; the order of the dQ additions, so the last bits of dq, vary from run to run.
+ *   kDet / kDetOverlap (deterministic): no atomics; dQ comes from the dQ kernel below, which
+ *     recomputes S and dP (7 MMAs per tile). kDetOverlap (NCP_SM90_BWD_OVERLAP=1) runs the dV/dK
+ *     MMAs of item it back to back with S/dP of it+1; slower.
+ * dQ kernel (deterministic mode): CTA = 128 query rows of one head (64 per consumer warpgroup), Q
+ *   and dO stationary; it walks the kv tiles of 64 keys the rows see (as the forward), streaming K
+ *   and V: S = Q K^T, dP = dO V^T, then dQ += dS K.
  * Positions mode (Flint CP) keeps the portable kernels.
  *
- * Versions: v1 (default): each MMA batch waited for. H200, bf16, 32/4/128, causal 8k documents:
- * backward 37.5 ms = 293 TFLOP/s at the 2.5x convention (portable kernels: 62.5 ms = 176).
- * v1-overlap (NCP_SM90_BWD_OVERLAP=1): dV/dK MMAs of item it run back to back with S/dP of it+1;
- * slower (ptxas serializes its wgmma and spills at D=128). Measured: BENCHMARKS.md section 1.
+ * H200, bf16, 32/4/128, causal 8k documents (commit 336b2cb): forward+backward 432 TFLOP/s with the
+ * default backward, 406 deterministic (before the mask pass, when ptxas serialized the wgmma: 362
+ * and 328). Measured: BENCHMARKS.md section 1.
  * Test: pytest tests/test_sink_attention_cuda.py   Bench: python benchmarks/bench_sink_attention.py
  */
 #include <stdlib.h>

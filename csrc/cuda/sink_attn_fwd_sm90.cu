@@ -16,10 +16,16 @@
  * heaviest tiles first. The epilogue stages O through the warpgroup's own Q rows in shared memory
  * for 16-byte stores.
  *
- * Versions: v1 (default): each warpgroup waits for S, then for P V; the two consumer warpgroups
- * overlap each other. H200, bf16, Hq/Hkv/D 32/4/128: 408 TFLOP/s on causal 8k documents, 212 at
- * window 513 (portable mma.sync kernel: 249 / 160). v1-overlap (NCP_SM90_FWD_OVERLAP=1): the
- * softmax of tile it overlaps P V of tile it-1 inside a warpgroup; 346 / 196, slower.
+ * Schedules (template PINGPONG; NCP_SM90_FWD_SCHED=serial|pingpong, otherwise serial for
+ * contiguous full-causal masks and ping-pong for windows and the positions mode):
+ *   serial: each warpgroup waits for S, runs the softmax, then waits for P V; the two consumer
+ *     warpgroups overlap each other only as far as they drift apart.
+ *   ping-pong: the consumer warpgroups take turns issuing MMAs (named barriers), and inside a
+ *     warpgroup S(it) and P(it-1) V(it-1) are issued together so the softmax of S(it) overlaps
+ *     P(it-1) V(it-1); P is packed into fragments only after that MMA finished (ptxas: no wgmma
+ *     serialization, no spills).
+ * H200, bf16, Hq/Hkv/D 32/4/128 (commit 336b2cb, first row of each case): 521 TFLOP/s on causal 8k
+ * documents, 547 on causal 32k (ping-pong there: 493), 269 at window 513 on 8k documents.
  * Measured: BENCHMARKS.md section 1.
  * Test: pytest tests/test_sink_attention_cuda.py   Bench: python benchmarks/bench_sink_attention.py
  */
