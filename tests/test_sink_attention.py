@@ -414,6 +414,42 @@ def test_backward_is_deterministic(ncp_seed):
         assert torch.equal(a, b)
 
 
+def test_backward_determinism_switches(monkeypatch):
+    """torch's deterministic mode or NCP_DETERMINISTIC=1 select the bitwise-repeatable backward."""
+    from nemo_cp_native.attention import backward_is_deterministic
+
+    monkeypatch.delenv("NCP_DETERMINISTIC", raising=False)
+    was = torch.are_deterministic_algorithms_enabled()
+    try:
+        torch.use_deterministic_algorithms(False)
+        assert not backward_is_deterministic()
+        monkeypatch.setenv("NCP_DETERMINISTIC", "1")
+        assert backward_is_deterministic()
+        monkeypatch.setenv("NCP_DETERMINISTIC", "0")
+        assert not backward_is_deterministic()
+        torch.use_deterministic_algorithms(True)
+        assert backward_is_deterministic()
+    finally:
+        torch.use_deterministic_algorithms(was)
+
+
+@pytest.mark.parametrize("bad", ["shape", "dtype", "layout"])
+def test_bwd_rejects_bad_dq_accum(bad, ncp_seed):
+    g = _gen(ncp_seed)
+    c = make_attention_case(doc_lengths(100, "random", mean=40, generator=g), 4, 2, 16, generator=g)
+    q, k, v, s, cu = c["q"], c["k"], c["v"], c["sink"], c["cu_seqlens"]
+    T, Hq, D = q.shape
+    out, lse = attn_forward(q, k, v, s, AttnMask(cu_seqlens=cu, window=0), 0.25)
+    rows = (T + 63) // 64 * 64
+    acc = {"shape": torch.zeros(Hq, T, D), "dtype": torch.zeros(Hq, rows, D, dtype=torch.float64),
+           "layout": torch.zeros(Hq, D, rows).transpose(1, 2)}[bad]  # fmt: skip
+    grads = [torch.empty_like(t) for t in (q, k, v)]
+    with pytest.raises(ValueError, match="dq_accum"):
+        _C.sink_attn_bwd(dl(q), dl(k), dl(v), dl(s), dl(out), dl(lse), dl(torch.randn_like(out)), dl(grads[0]),
+                         dl(grads[1]), dl(grads[2]), dl(torch.empty_like(s)), dl(torch.empty(Hq, T)), None, 0.25,
+                         (dl(cu), 0), 0, None, dl(acc))  # fmt: skip
+
+
 # ------------------------------------------------------------------------------------------
 # autograd, custom-op and compiler plumbing
 # ------------------------------------------------------------------------------------------
