@@ -602,22 +602,28 @@ static bool dq_bulk() {
     return !(e != nullptr && strcmp(e, "red") == 0);
 }
 
+/* The dK/dV kernel in mode MODE over every 128-key block (Tk > 0). */
+template <typename T, int D, int MODE> ncp_status launch_dkdv(const ncp_sink_attn_bwd_params &b, cudaStream_t stream) {
+    const ncp_sink_attn_params &p = b.f;
+    CUtensorMap tk, tv, tq, tdo;
+    NCP_TRY(ncp_sm90_tensor_map(&tk, p.k, p.Tk, p.Hkv, D, p.k_st, p.k_sh, KVB));
+    NCP_TRY(ncp_sm90_tensor_map(&tv, p.v, p.Tk, p.Hkv, D, p.v_st, p.v_sh, KVB));
+    NCP_TRY(ncp_sm90_tensor_map(&tq, p.q, p.Tq, p.Hq, D, p.q_st, p.q_sh, KQB));
+    NCP_TRY(ncp_sm90_tensor_map(&tdo, b.dout, p.Tq, p.Hq, D, b.do_st, b.do_sh, KQB));
+    constexpr bool adq = MODE == kAtomicDq || MODE == kAtomicDqBulk;
+    constexpr int bytes = bwd_layout<D, KVB, KQB, adq, MODE == kAtomicDqBulk>::bytes;
+    auto kernel = bwd_dkdv_sm90_kernel<T, D, MODE>;
+    NCP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+    kernel<<<dim3(p.Hkv, (p.Tk + KVB - 1) / KVB), kThreads, bytes, stream>>>(tk, tv, tq, tdo, b);
+    NCP_CUDA_CHECK(cudaGetLastError());
+    return NCP_OK;
+}
+
 template <typename T, int D, int MODE> ncp_status launch_adq(const ncp_sink_attn_bwd_params &b, cudaStream_t stream) {
     const ncp_sink_attn_params &p = b.f;
     const size_t n_acc = (size_t)p.Hq * ((p.Tq + 63) / 64) * 64 * D;
     NCP_CUDA_CHECK(cudaMemsetAsync(b.dq_accum, 0, sizeof(float) * n_acc, stream));
-    if (p.Tk > 0) {
-        CUtensorMap tk, tv, tq, tdo;
-        NCP_TRY(ncp_sm90_tensor_map(&tk, p.k, p.Tk, p.Hkv, D, p.k_st, p.k_sh, KVB));
-        NCP_TRY(ncp_sm90_tensor_map(&tv, p.v, p.Tk, p.Hkv, D, p.v_st, p.v_sh, KVB));
-        NCP_TRY(ncp_sm90_tensor_map(&tq, p.q, p.Tq, p.Hq, D, p.q_st, p.q_sh, KQB));
-        NCP_TRY(ncp_sm90_tensor_map(&tdo, b.dout, p.Tq, p.Hq, D, b.do_st, b.do_sh, KQB));
-        constexpr int bytes = bwd_layout<D, KVB, KQB, true, MODE == kAtomicDqBulk>::bytes;
-        auto kernel = bwd_dkdv_sm90_kernel<T, D, MODE>;
-        NCP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-        kernel<<<dim3(p.Hkv, (p.Tk + KVB - 1) / KVB), kThreads, bytes, stream>>>(tk, tv, tq, tdo, b);
-        NCP_CUDA_CHECK(cudaGetLastError());
-    }
+    if (p.Tk > 0) NCP_TRY((launch_dkdv<T, D, MODE>(b, stream)));
     const int64_t n = (int64_t)p.Hq * p.Tq * (D / 8);
     dq_convert_kernel<T, D, MODE == kAtomicDqBulk><<<(unsigned)((n + 255) / 256), 256, 0, stream>>>(
         b.dq_accum, reinterpret_cast<T *>(b.dq), b.dq_st, b.dq_sh, p.Tq, p.Hq, (float)p.scale);
@@ -630,17 +636,9 @@ template <typename T, int D> ncp_status launch(const ncp_sink_attn_bwd_params &b
     if (!p.deterministic && b.dq_accum != nullptr && p.Tq > 0)
         return dq_bulk() ? launch_adq<T, D, kAtomicDqBulk>(b, stream) : launch_adq<T, D, kAtomicDq>(b, stream);
     if (p.Tk > 0) {
-        CUtensorMap tk, tv, tq, tdo;
-        NCP_TRY(ncp_sm90_tensor_map(&tk, p.k, p.Tk, p.Hkv, D, p.k_st, p.k_sh, KVB));
-        NCP_TRY(ncp_sm90_tensor_map(&tv, p.v, p.Tk, p.Hkv, D, p.v_st, p.v_sh, KVB));
-        NCP_TRY(ncp_sm90_tensor_map(&tq, p.q, p.Tq, p.Hq, D, p.q_st, p.q_sh, KQB));
-        NCP_TRY(ncp_sm90_tensor_map(&tdo, b.dout, p.Tq, p.Hq, D, b.do_st, b.do_sh, KQB));
-        constexpr int bytes = bwd_layout<D, KVB, KQB>::bytes;
         const char *e = getenv("NCP_SM90_BWD_OVERLAP");
-        auto kernel = (e != nullptr && e[0] == '1') ? bwd_dkdv_sm90_kernel<T, D, kDetOverlap> : bwd_dkdv_sm90_kernel<T, D, kDet>;
-        NCP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-        kernel<<<dim3(p.Hkv, (p.Tk + KVB - 1) / KVB), kThreads, bytes, stream>>>(tk, tv, tq, tdo, b);
-        NCP_CUDA_CHECK(cudaGetLastError());
+        const bool overlap = e != nullptr && e[0] == '1';
+        NCP_TRY((overlap ? launch_dkdv<T, D, kDetOverlap>(b, stream) : launch_dkdv<T, D, kDet>(b, stream)));
     }
     if (p.Tq > 0) {
         CUtensorMap tq, tdo, tk, tv;
