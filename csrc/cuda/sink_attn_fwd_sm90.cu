@@ -198,8 +198,15 @@ __global__ void __launch_bounds__(kThreads, 1)
             m[r] = mx;
         }
     };
-    /* P into A fragments; the empty asm pins their definition before the next wgmma.fence, so no
-     * non-wgmma instruction defines a wgmma input inside a pipeline stage (ptxas C7513). */
+    /* Pins the P fragments: defined before the next wgmma.fence (no non-wgmma instruction defines
+     * a wgmma input inside a pipeline stage, ptxas C7513), untouched until their MMA is waited. */
+    auto fence_p = [&](uint32_t (*pf)[4]) {
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(pf[kk][e])::"memory");
+    };
+    /* P into A fragments. */
     auto to_p = [&](const float *sc, uint32_t (*pf)[4]) {
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) {
@@ -208,10 +215,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             pf[kk][2] = elem<T>::pack(sc[8 * kk + 4], sc[8 * kk + 5]);
             pf[kk][3] = elem<T>::pack(sc[8 * kk + 6], sc[8 * kk + 7]);
         }
-#pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(pf[kk][e])::"memory");
+        fence_p(pf);
     };
     auto rescale = [&](const float *corr) {
 #pragma unroll
@@ -221,12 +225,6 @@ __global__ void __launch_bounds__(kThreads, 1)
             o[4 * j + 2] *= corr[1];
             o[4 * j + 3] *= corr[1];
         }
-    };
-    auto fence_p = [&](uint32_t (*pf)[4]) {
-#pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(pf[kk][e])::"memory");
     };
     auto release = [&](int s) {
         __syncwarp();
