@@ -182,11 +182,9 @@ __global__ void __launch_bounds__(kThreads, 1)
                 if (it >= kStages) sm90::mbar_wait(bar.e(s), ((it / kStages) & 1) ^ 1);
                 const uint32_t sQ = sQ0 + s * L::tile_bytes, sO = sO0 + s * L::tile_bytes;
                 sm90::mbar_expect_tx(bar.a(s), L::tile_bytes);
-#pragma unroll
-                for (int cb = 0; cb < D / 64; ++cb) sm90::tma_load_3d(sQ + cb * KQB * 128, &tm_q, cb * 64, h, q0, bar.a(s));
+                sm90::tma_load_tile<D>(sQ, &tm_q, KQB, h, q0, bar.a(s));
                 sm90::mbar_expect_tx(bar.b(s), L::tile_bytes);
-#pragma unroll
-                for (int cb = 0; cb < D / 64; ++cb) sm90::tma_load_3d(sO + cb * KQB * 128, &tm_do, cb * 64, h, q0, bar.b(s));
+                sm90::tma_load_tile<D>(sO, &tm_do, KQB, h, q0, bar.b(s));
             }
         } else if (tid >> 5 == 1) {
             /* warp 1: lse * log2(e) and Delta of each streamed q tile into shared memory */
@@ -494,11 +492,9 @@ __global__ void __launch_bounds__(kThreads, 1)
                 if (it >= kStages) sm90::mbar_wait(bar.e(s), ((it / kStages) & 1) ^ 1);
                 const uint32_t sK = sK0 + s * L::tile_bytes, sV = sV0 + s * L::tile_bytes;
                 sm90::mbar_expect_tx(bar.a(s), L::tile_bytes);
-#pragma unroll
-                for (int cb = 0; cb < D / 64; ++cb) sm90::tma_load_3d(sK + cb * QKB * 128, &tm_k, cb * 64, g_kv, kt * QKB, bar.a(s));
+                sm90::tma_load_tile<D>(sK, &tm_k, QKB, g_kv, kt * QKB, bar.a(s));
                 sm90::mbar_expect_tx(bar.b(s), L::tile_bytes);
-#pragma unroll
-                for (int cb = 0; cb < D / 64; ++cb) sm90::tma_load_3d(sV + cb * QKB * 128, &tm_v, cb * 64, g_kv, kt * QKB, bar.b(s));
+                sm90::tma_load_tile<D>(sV, &tm_v, QKB, g_kv, kt * QKB, bar.b(s));
             }
         }
         return;

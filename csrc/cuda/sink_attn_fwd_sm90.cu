@@ -114,8 +114,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             sm90::tma_prefetch_desc(&tm_k);
             sm90::tma_prefetch_desc(&tm_v);
             sm90::mbar_expect_tx(bar_q, HBM * D * 2);
-#pragma unroll
-            for (int cb = 0; cb < D / 64; ++cb) sm90::tma_load_3d(sQ + cb * HBM * 128, &tm_q, cb * 64, h, q0, bar_q);
+            sm90::tma_load_tile<D>(sQ, &tm_q, HBM, h, q0, bar_q);
             for (int it = 0; it < n_it; ++it) {
                 const int s = it % kStages;
                 if (it >= kStages) sm90::mbar_wait(bar_e(s), ((it / kStages) & 1) ^ 1);
@@ -123,11 +122,9 @@ __global__ void __launch_bounds__(kThreads, 1)
                 const int kt = tile_at(it, full);
                 const uint32_t sK = sK0 + s * L::kv_bytes, sV = sV0 + s * L::kv_bytes;
                 sm90::mbar_expect_tx(bar_k(s), L::kv_bytes);
-#pragma unroll
-                for (int cb = 0; cb < D / 64; ++cb) sm90::tma_load_3d(sK + cb * BN * 128, &tm_k, cb * 64, g_kv, kt * BN, bar_k(s));
+                sm90::tma_load_tile<D>(sK, &tm_k, BN, g_kv, kt * BN, bar_k(s));
                 sm90::mbar_expect_tx(bar_v(s), L::kv_bytes);
-#pragma unroll
-                for (int cb = 0; cb < D / 64; ++cb) sm90::tma_load_3d(sV + cb * BN * 128, &tm_v, cb * 64, g_kv, kt * BN, bar_v(s));
+                sm90::tma_load_tile<D>(sV, &tm_v, BN, g_kv, kt * BN, bar_v(s));
             }
         }
         return;

@@ -62,6 +62,13 @@ __device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap *map
         "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
         : "memory");
 }
+/* A tile of `rows` tokens x D columns of head `head` from token `row0`: D / 64 boxes, one per
+ * 128B-swizzled column block of `rows` x 128 bytes at dst. */
+template <int D>
+__device__ __forceinline__ void tma_load_tile(uint32_t dst, const CUtensorMap *map, int rows, int head, int row0, uint32_t bar) {
+#pragma unroll
+    for (int cb = 0; cb < D / 64; ++cb) tma_load_3d(dst + cb * rows * 128, map, cb * 64, head, row0, bar);
+}
 __device__ __forceinline__ void tma_prefetch_desc(const CUtensorMap *map) {
     asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
 }
