@@ -2,12 +2,13 @@
 # One call on the GPU machine: build, CUDA tests, compute-sanitizer, benchmarks.
 # Logs and JSON go to $OUT (at most 8 files come back: keep it to these):
 #   build.log  pytest.log  sanitizer.log  bench_attn.json  bench_mimo.json  bench_flint.json
-#   summary.txt (headlines + every benchmark's printed table)  sass.txt
+#   summary.txt (headlines + every benchmark's printed table)  sass.txt  (probe.log with probe)
 #
 #   OUT=/tmp/out NCP_COMMIT=<sha> bash benchmarks/gpu_run.sh [stage ...]
 # Set NCP_COMMIT from the machine that holds the repository: the device tool's copy of .git can be
 # stale, so `git rev-parse` run there may name an older commit than the tree it copied.
-# stages: build test sanitize kernels attn mimo flint all (default: all). Test, sanitizer and
+# stages: build test sanitize probe kernels attn mimo flint all (default: all; probe: the
+# racecheck mbarrier probe, not part of all). Test, sanitizer and
 # attention stages run under `timeout` (TEST_TIMEOUT, SAN_TIMEOUT, ATTN_TIMEOUT seconds). Each stage appends its
 # headline to summary.txt; a failing stage is reported and the next one still runs.
 set -uo pipefail
@@ -54,6 +55,16 @@ if want sanitize; then
       >> "$OUT/sanitizer.log" 2>&1
     note "compute-sanitizer $tool: exit $? ($(grep -c 'ERROR SUMMARY: 0 errors' "$OUT/sanitizer.log") clean summaries so far)"
   done
+fi
+
+if [[ " $STAGES " == *" probe "* ]]; then  # only when named: does racecheck model mbarrier hand-offs? (BENCHMARKS.md sections 1d, 1i)
+  mkdir -p build
+  if nvcc -arch=sm_90a -o build/racecheck_mbarrier_probe benchmarks/racecheck_mbarrier_probe.cu > "$OUT/probe.log" 2>&1; then
+    timeout ${SAN_TIMEOUT:-300} compute-sanitizer --tool racecheck build/racecheck_mbarrier_probe >> "$OUT/probe.log" 2>&1
+    note "racecheck probe: exit $? ($(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY' "$OUT/probe.log" | tail -1))"
+  else
+    note "racecheck probe: nvcc failed (probe.log)"
+  fi
 fi
 
 if want kernels; then
