@@ -172,11 +172,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         sm90::reg_dealloc<24>();
         if (tid == 0) {
             sm90::mbar_expect_tx(bar.stat(), 2 * L::stat_bytes);
-#pragma unroll
-            for (int cb = 0; cb < D / 64; ++cb) {
-                sm90::tma_load_3d(sK + cb * KVB * 128, &tm_k, cb * 64, g_kv, k0, bar.stat());
-                sm90::tma_load_3d(sV + cb * KVB * 128, &tm_v, cb * 64, g_kv, k0, bar.stat());
-            }
+            sm90::tma_load_tile_pair<D>(sK, &tm_k, sV, &tm_v, KVB, g_kv, k0, bar.stat());
             for (int it = 0; it < n_it; ++it) {
                 const int s = it % kStages, h = g_kv * G + it / n_q, q0 = (qt_lo + it % n_q) * KQB;
                 if (it >= kStages) sm90::mbar_wait(bar.e(s), ((it / kStages) & 1) ^ 1);
@@ -482,11 +478,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         sm90::reg_dealloc<24>();
         if (tid == 0) {
             sm90::mbar_expect_tx(bar.stat(), 2 * L::stat_bytes);
-#pragma unroll
-            for (int cb = 0; cb < D / 64; ++cb) {
-                sm90::tma_load_3d(sQ + cb * QQB * 128, &tm_q, cb * 64, h, q0, bar.stat());
-                sm90::tma_load_3d(sO + cb * QQB * 128, &tm_do, cb * 64, h, q0, bar.stat());
-            }
+            sm90::tma_load_tile_pair<D>(sQ, &tm_q, sO, &tm_do, QQB, h, q0, bar.stat());
             for (int it = 0; it < n_it; ++it) {
                 const int s = it % kStages, kt = rng.kt_hi - it;
                 if (it >= kStages) sm90::mbar_wait(bar.e(s), ((it / kStages) & 1) ^ 1);

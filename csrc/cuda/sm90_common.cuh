@@ -69,6 +69,16 @@ __device__ __forceinline__ void tma_load_tile(uint32_t dst, const CUtensorMap *m
 #pragma unroll
     for (int cb = 0; cb < D / 64; ++cb) tma_load_3d(dst + cb * rows * 128, map, cb * 64, head, row0, bar);
 }
+/* Two such tiles of the same rows (e.g. K and V) on one barrier, column block by column block. */
+template <int D>
+__device__ __forceinline__ void tma_load_tile_pair(uint32_t dst_a, const CUtensorMap *map_a, uint32_t dst_b,
+                                                   const CUtensorMap *map_b, int rows, int head, int row0, uint32_t bar) {
+#pragma unroll
+    for (int cb = 0; cb < D / 64; ++cb) {
+        tma_load_3d(dst_a + cb * rows * 128, map_a, cb * 64, head, row0, bar);
+        tma_load_3d(dst_b + cb * rows * 128, map_b, cb * 64, head, row0, bar);
+    }
+}
 __device__ __forceinline__ void tma_prefetch_desc(const CUtensorMap *map) {
     asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
 }
