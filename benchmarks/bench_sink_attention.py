@@ -113,6 +113,8 @@ def bench_case(name, spec, *, flex: bool, reps: int, heat: float = 0.0) -> list[
     if _C.sink_attn_fwd_variant() == 4:  # the other forward kernels on the same card, for comparison
         impls.append(("ncp-fwd-serial", leaves[3], {"NCP_SM90_FWD_SCHED": "serial"}, "sm90 fwd, serial schedule"))
         impls.append(("ncp-fwd-pingpong", leaves[3], {"NCP_SM90_FWD_SCHED": "pingpong"}, "sm90 fwd, ping-pong schedule"))
+        impls.append(("ncp-fwd-persistent", leaves[3], {"NCP_SM90_FWD_PERSIST": "1"}, "sm90 fwd, persistent grid"))
+        impls.append(("ncp-fwd-per-item", leaves[3], {"NCP_SM90_FWD_PERSIST": "0"}, "sm90 fwd, one CTA per work item"))
     if _C.sink_attn_bwd_variant() == 4:
         impls.append(("ncp-sm90-dq-red", leaves[3], {"NCP_SM90_DQ": "red"}, "sm90 atomic-dQ bwd, per-thread reductions"))
         impls.append(("ncp-deterministic", leaves[3], {"NCP_DETERMINISTIC": "1"}, "sm90 deterministic bwd (dQ kernel)"))

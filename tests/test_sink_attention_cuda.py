@@ -26,19 +26,24 @@ DEV = "cuda"
 @pytest.fixture(params=["auto", "sm90-fwd-serial", "sm90-bwd-overlap", "portable"])
 def fwd_kernel(request, monkeypatch):
     """Runs a test on the default kernels (on an H200: the Hopper forward with its default schedule
-    per mask and the atomic-dQ backward), on the serial Hopper forward with the deterministic
-    Hopper backward, on the ping-pong Hopper forward with the deterministic dK/dV kernel with MMA
-    overlap, and on the portable mma.sync forward and backward (switches are read at each call)."""
-    for var in ("NCP_FWD_VARIANT", "NCP_BWD_VARIANT", "NCP_SM90_FWD_SCHED", "NCP_SM90_BWD_OVERLAP", "NCP_DETERMINISTIC"):
+    and grid per mask and the atomic-dQ backward), on the serial Hopper forward on a persistent grid
+    of 7 CTAs (many work items each) with the deterministic Hopper backward, on the ping-pong Hopper
+    forward with one CTA per work item and the deterministic dK/dV kernel with MMA overlap, and on
+    the portable mma.sync forward and backward (switches are read at each call)."""
+    for var in ("NCP_FWD_VARIANT", "NCP_BWD_VARIANT", "NCP_SM90_FWD_SCHED", "NCP_SM90_FWD_PERSIST", "NCP_SM90_FWD_GRID",
+                "NCP_SM90_BWD_OVERLAP", "NCP_DETERMINISTIC"):  # fmt: skip
         monkeypatch.delenv(var, raising=False)
     if request.param == "portable":
         monkeypatch.setenv("NCP_FWD_VARIANT", "3")
         monkeypatch.setenv("NCP_BWD_VARIANT", "1")
     elif request.param == "sm90-fwd-serial":
         monkeypatch.setenv("NCP_SM90_FWD_SCHED", "serial")
+        monkeypatch.setenv("NCP_SM90_FWD_PERSIST", "1")
+        monkeypatch.setenv("NCP_SM90_FWD_GRID", "7")
         monkeypatch.setenv("NCP_DETERMINISTIC", "1")
     elif request.param == "sm90-bwd-overlap":
         monkeypatch.setenv("NCP_SM90_FWD_SCHED", "pingpong")
+        monkeypatch.setenv("NCP_SM90_FWD_PERSIST", "0")
         monkeypatch.setenv("NCP_SM90_BWD_OVERLAP", "1")
         monkeypatch.setenv("NCP_DETERMINISTIC", "1")
     return request.param
@@ -212,6 +217,34 @@ def test_cuda_atomic_dq_backward_matches_deterministic(d, window, ncp_seed, monk
     (lp_dq,) = _grads(lp, lp_leaves[:1], dout)
     for name, dq in (("dq atomic run 1", a1[0]), ("dq atomic run 2", a2[0]), ("dq deterministic", dt[0])):
         assert_close_to_ref(dq, ref_dq, lp_dq, name=name)
+
+
+@pytest.mark.parametrize("sched", ["serial", "pingpong"])
+@pytest.mark.parametrize("d,window,mode", [(128, 0, "random"), (128, 513, "random"), (64, 1, "window"), (128, 0, "tiny")])
+def test_cuda_persistent_forward_matches_one_cta_per_item(sched, d, window, mode, ncp_seed, monkeypatch):
+    """The persistent Hopper forward (grids of 1, 5 and one CTA per SM walking the work items, the
+    Q buffers and the K/V ring carried across items) against one CTA per item: the same arithmetic
+    per item, so out and lse are bitwise equal."""
+    if _C.sink_attn_fwd_variant() != 4:
+        pytest.skip("needs the Hopper forward (sm_90a build, compute capability 9.0)")
+    for var in ("NCP_FWD_VARIANT", "NCP_SM90_FWD_GRID"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("NCP_SM90_FWD_SCHED", sched)
+    g = torch.Generator().manual_seed(ncp_seed)
+    lengths = doc_lengths(2900, mode, window=window, mean=400, generator=g)
+    c = make_attention_case(lengths, 8, 2, d, device=DEV, generator=g)
+    args = (c["q"], c["k"], c["v"], c["sink"], c["cu_seqlens"])
+    monkeypatch.setenv("NCP_SM90_FWD_PERSIST", "0")
+    want, want_lse = ncp.sink_attention(*args, window=window, return_lse=True)
+    monkeypatch.setenv("NCP_SM90_FWD_PERSIST", "1")
+    for grid in ("1", "5", None):
+        if grid is None:
+            monkeypatch.delenv("NCP_SM90_FWD_GRID", raising=False)
+        else:
+            monkeypatch.setenv("NCP_SM90_FWD_GRID", grid)
+        out, lse = ncp.sink_attention(*args, window=window, return_lse=True)
+        assert torch.equal(out, want), f"out differs on a persistent grid of {grid or 'one CTA per SM'}"
+        assert torch.equal(lse, want_lse), f"lse differs on a persistent grid of {grid or 'one CTA per SM'}"
 
 
 def test_cuda_matches_cpu_c_path(ncp_seed):

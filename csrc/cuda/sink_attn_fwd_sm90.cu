@@ -48,10 +48,11 @@ constexpr int kPP = 3;            /* named barriers kPP, kPP + 1: ping-pong turn
 template <int D, int BN> struct fwd_layout {
     static constexpr int q_bytes = HBM * D * 2;
     static constexpr int kv_bytes = BN * D * 2;
-    static constexpr int k_off = q_bytes;
+    static constexpr int k_off = 2 * q_bytes; /* two Q buffers: tile n + 1 loads during tile n */
     static constexpr int v_off = k_off + kStages * kv_bytes;
-    static constexpr int bar_off = v_off + kStages * kv_bytes; /* q_full, k_full[S], v_full[S], empty[S] */
-    static constexpr int bytes = bar_off + (1 + 3 * kStages) * 8 + 1024; /* + slack to align to 1024 */
+    /* q_full[2], q_empty[2], k_full[S], v_full[S], kv_empty[S] */
+    static constexpr int bar_off = v_off + kStages * kv_bytes;
+    static constexpr int bytes = bar_off + (4 + 3 * kStages) * 8 + 1024; /* + slack to align to 1024 */
 };
 
 template <typename T, int D, int BN, bool PINGPONG>
@@ -62,20 +63,26 @@ __global__ void __launch_bounds__(kThreads, 1)
     using L = fwd_layout<D, BN>;
     extern __shared__ unsigned char smem_raw[];
     const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
-    const uint32_t sQ = base, sK0 = base + L::k_off, sV0 = base + L::v_off;
-    const uint32_t bar_q = base + L::bar_off;
-    auto bar_k = [&](int s) { return bar_q + 8u * (1 + s); };
-    auto bar_v = [&](int s) { return bar_q + 8u * (1 + kStages + s); };
-    auto bar_e = [&](int s) { return bar_q + 8u * (1 + 2 * kStages + s); };
+    const uint32_t sK0 = base + L::k_off, sV0 = base + L::v_off;
+    const uint32_t bars = base + L::bar_off;
+    auto q_buf = [&](int b) { return base + b * L::q_bytes; };
+    auto bar_q = [&](int b) { return bars + 8u * b; };
+    auto bar_qe = [&](int b) { return bars + 8u * (2 + b); };
+    auto bar_k = [&](int s) { return bars + 8u * (4 + s); };
+    auto bar_v = [&](int s) { return bars + 8u * (4 + kStages + s); };
+    auto bar_e = [&](int s) { return bars + 8u * (4 + 2 * kStages + s); };
 
     const int tid = threadIdx.x, wg = tid / 128, lane = tid & 31;
-    const int h = blockIdx.x, g_kv = h / (p.Hq / p.Hkv);
-    const int tile = gridDim.y - 1 - blockIdx.y; /* heavy (late) tiles first */
-    const int q0 = tile * HBM;
     const bool positions = p.q_pos != nullptr;
+    /* Work items t = (q tile, head), heads fastest and the heavy (late) q tiles first; CTA b takes
+     * b, b + gridDim.x, ... (one item each when the grid covers them all). */
+    const int n_qt = (p.Tq + HBM - 1) / HBM, n_items = n_qt * p.Hq, group = p.Hq / p.Hkv;
 
     if (tid == 0) {
-        sm90::mbar_init(bar_q, 1);
+        for (int b = 0; b < 2; ++b) {
+            sm90::mbar_init(bar_q(b), 1);
+            sm90::mbar_init(bar_qe(b), 8); /* one arrival per consumer warp after its epilogue */
+        }
         for (int s = 0; s < kStages; ++s) {
             sm90::mbar_init(bar_k(s), 1);
             sm90::mbar_init(bar_v(s), 1);
@@ -85,24 +92,35 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     __syncthreads();
 
-    /* ---- which kv tiles (both roles walk the same list) ------------------------------- */
-    int n_it, e0 = 0;
-    q_tile_range rng{};
-    if (positions) {
-        e0 = __ldg(p.fwd_off + tile);
-        n_it = __ldg(p.fwd_off + tile + 1) - e0;
-    } else {
-        rng = contiguous_q_range(p, q0, HBM, BN);
-        n_it = max(0, rng.kt_hi - rng.kt_lo + 1);
-    }
-    auto tile_at = [&](int it, bool &full) -> int {
+    /* ---- one work item: which kv tiles (both roles walk the same list) ------------------- */
+    struct item {
+        int h, tile, q0, n_it, e0;
+        q_tile_range rng;
+    };
+    auto item_at = [&](int t) {
+        item w;
+        w.h = t % p.Hq;
+        w.tile = n_qt - 1 - t / p.Hq;
+        w.q0 = w.tile * HBM;
+        w.e0 = 0;
+        w.rng = q_tile_range{};
         if (positions) {
-            const int e = __ldg(p.fwd_ent + e0 + it);
+            w.e0 = __ldg(p.fwd_off + w.tile);
+            w.n_it = __ldg(p.fwd_off + w.tile + 1) - w.e0;
+        } else {
+            w.rng = contiguous_q_range(p, w.q0, HBM, BN);
+            w.n_it = max(0, w.rng.kt_hi - w.rng.kt_lo + 1);
+        }
+        return w;
+    };
+    auto tile_at = [&](const item &w, int it, bool &full) -> int {
+        if (positions) {
+            const int e = __ldg(p.fwd_ent + w.e0 + it);
             full = e & 1;
             return e >> 1;
         }
-        const int kt = rng.kt_hi - it; /* diagonal (partial) tile first */
-        full = contiguous_full(p, rng, kt, BN);
+        const int kt = w.rng.kt_hi - it; /* diagonal (partial) tile first */
+        full = contiguous_full(p, w.rng, kt, BN);
         return kt;
     };
 
@@ -113,18 +131,25 @@ __global__ void __launch_bounds__(kThreads, 1)
             sm90::tma_prefetch_desc(&tm_q);
             sm90::tma_prefetch_desc(&tm_k);
             sm90::tma_prefetch_desc(&tm_v);
-            sm90::mbar_expect_tx(bar_q, HBM * D * 2);
-            sm90::tma_load_tile<D>(sQ, &tm_q, HBM, h, q0, bar_q);
-            for (int it = 0; it < n_it; ++it) {
-                const int s = it % kStages;
-                if (it >= kStages) sm90::mbar_wait(bar_e(s), ((it / kStages) & 1) ^ 1);
-                bool full;
-                const int kt = tile_at(it, full);
-                const uint32_t sK = sK0 + s * L::kv_bytes, sV = sV0 + s * L::kv_bytes;
-                sm90::mbar_expect_tx(bar_k(s), L::kv_bytes);
-                sm90::tma_load_tile<D>(sK, &tm_k, BN, g_kv, kt * BN, bar_k(s));
-                sm90::mbar_expect_tx(bar_v(s), L::kv_bytes);
-                sm90::tma_load_tile<D>(sV, &tm_v, BN, g_kv, kt * BN, bar_v(s));
+            int kv = 0; /* kv tiles loaded so far: ring slot kv % kStages */
+            for (int t = blockIdx.x, n = 0; t < n_items; t += gridDim.x, ++n) {
+                const item w = item_at(t);
+                const int qb = n & 1;
+                if (n >= 2) sm90::mbar_wait(bar_qe(qb), ((n >> 1) & 1) ^ 1);
+                sm90::mbar_expect_tx(bar_q(qb), HBM * D * 2);
+                sm90::tma_load_tile<D>(q_buf(qb), &tm_q, HBM, w.h, w.q0, bar_q(qb));
+                const int g_kv = w.h / group;
+                for (int it = 0; it < w.n_it; ++it, ++kv) {
+                    const int s = kv % kStages;
+                    if (kv >= kStages) sm90::mbar_wait(bar_e(s), ((kv / kStages) & 1) ^ 1);
+                    bool full;
+                    const int kt = tile_at(w, it, full);
+                    const uint32_t sK = sK0 + s * L::kv_bytes, sV = sV0 + s * L::kv_bytes;
+                    sm90::mbar_expect_tx(bar_k(s), L::kv_bytes);
+                    sm90::tma_load_tile<D>(sK, &tm_k, BN, g_kv, kt * BN, bar_k(s));
+                    sm90::mbar_expect_tx(bar_v(s), L::kv_bytes);
+                    sm90::tma_load_tile<D>(sV, &tm_v, BN, g_kv, kt * BN, bar_v(s));
+                }
             }
         }
         return;
@@ -136,206 +161,237 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int warp = (tid & 127) >> 5;            /* warp within the warpgroup: rows 16 warp .. */
     const int gq = lane >> 2, tq = lane & 3;
     const int row0 = 64 * cw + 16 * warp + gq;    /* tile rows row0 and row0 + 8 */
-    int qpos[2], qlo[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) row_bounds(p, q0 + row0 + 8 * r, qpos[r], qlo[r]);
     const float scale_log2 = (float)p.scale * kLog2e;
     const bool has_sink = p.sink != nullptr;
-    const float sink_log2 = has_sink ? __ldg(reinterpret_cast<const float *>(p.sink) + h) * kLog2e : -INFINITY;
-    float m[2] = {sink_log2, sink_log2};
-    float l[2];
-    l[0] = l[1] = (has_sink && tq == 0) ? 1.f : 0.f; /* counted once by the final quad sum */
-    float o[D / 2];
-#pragma unroll
-    for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+    /* Ping-pong turns (named barriers kPP + cw, 256 threads): a warpgroup waits on its own and
+     * arrives on the other's after each of its MMA issues. Warpgroup 1 arrives once up front and
+     * warpgroup 0 takes one extra turn at the end, so every barrier generation completes. */
+    const int pp_me = kPP + cw, pp_other = kPP + 1 - cw;
+    if (PINGPONG && cw == 1) sm90::named_arrive(kPP, 256);
 
-    const uint32_t sQw = sQ + cw * 64 * 128; /* this warpgroup's 64 rows in every column block */
+    int kv0 = 0; /* kv tiles consumed before this item */
+    for (int t = blockIdx.x, n = 0; t < n_items; t += gridDim.x, ++n) {
+        const item w = item_at(t);
+        const int h = w.h, q0 = w.q0, n_it = w.n_it, qb = n & 1;
+        const uint32_t sQ = q_buf(qb);
+        int qpos[2], qlo[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) row_bounds(p, q0 + row0 + 8 * r, qpos[r], qlo[r]);
+        const float sink_log2 = has_sink ? __ldg(reinterpret_cast<const float *>(p.sink) + h) * kLog2e : -INFINITY;
+        float m[2] = {sink_log2, sink_log2};
+        float l[2];
+        l[0] = l[1] = (has_sink && tq == 0) ? 1.f : 0.f; /* counted once by the final quad sum */
+        float o[D / 2];
+#pragma unroll
+        for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
 
-    /* S = Q K^T (64 x BN per warpgroup), issued asynchronously */
-    auto issue_s = [&](float *sc, int s) {
-        sm90::gemm_ss<T, BN, D>(sc, sQw, HBM * 128, sK0 + s * L::kv_bytes, BN * 128);
-    };
-    /* O += P V, issued asynchronously (P stays live in registers until the wait) */
-    auto issue_pv = [&](uint32_t (*pf)[4], int s) {
-        sm90::gemm_rs<T, D, BN>(o, pf, sV0 + s * L::kv_bytes, BN * 128);
-    };
-    /* Scale into the log2 domain, mask a partial tile, online softmax: sc becomes the
-     * unnormalized probabilities, corr the factor O must be rescaled by before it takes them. */
-    auto softmax = [&](float *sc, int it, float *corr) {
-        bool full;
-        const int kt = tile_at(it, full);
+        const uint32_t sQw = sQ + cw * 64 * 128; /* this warpgroup's 64 rows in every column block */
+        auto slot = [&](int it) { return (kv0 + it) % kStages; };
+        auto phase = [&](int it) { return (uint32_t)(((kv0 + it) / kStages) & 1); };
+
+        /* S = Q K^T (64 x BN per warpgroup), issued asynchronously */
+        auto issue_s = [&](float *sc, int s) {
+            sm90::gemm_ss<T, BN, D>(sc, sQw, HBM * 128, sK0 + s * L::kv_bytes, BN * 128);
+        };
+        /* O += P V, issued asynchronously (P stays live in registers until the wait) */
+        auto issue_pv = [&](uint32_t (*pf)[4], int s) {
+            sm90::gemm_rs<T, D, BN>(o, pf, sV0 + s * L::kv_bytes, BN * 128);
+        };
+        /* Scale into the log2 domain, mask a partial tile, online softmax: sc becomes the
+         * unnormalized probabilities, corr the factor O must be rescaled by before it takes them. */
+        auto softmax = [&](float *sc, int it, float *corr) {
+            bool full;
+            const int kt = tile_at(w, it, full);
 #pragma unroll
-        for (int i = 0; i < BN / 2; ++i) sc[i] *= scale_log2;
-        if (!full) { /* one branch per tile: full tiles keep a single straight-line block */
+            for (int i = 0; i < BN / 2; ++i) sc[i] *= scale_log2;
+            if (!full) { /* one branch per tile: full tiles keep a single straight-line block */
 #pragma unroll
-            for (int j = 0; j < BN / 8; ++j)
+                for (int j = 0; j < BN / 8; ++j)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int kj = kt * BN + 8 * j + 2 * tq + (e & 1);
-                    const int kp = kj >= p.Tk ? kNoKey : (positions ? __ldg(p.k_pos + kj) : kj);
-                    if (kp < qlo[e >> 1] || kp > qpos[e >> 1]) sc[4 * j + e] = -INFINITY;
-                }
-        }
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            float mx = m[r];
-#pragma unroll
-            for (int j = 0; j < BN / 8; ++j) mx = fmaxf(mx, fmaxf(sc[4 * j + 2 * r], sc[4 * j + 2 * r + 1]));
-            mx = quad_max(mx);
-            const float m_use = mx == -INFINITY ? 0.f : mx;
-            corr[r] = ex2(m[r] - m_use);
-            float sum = 0.f;
-#pragma unroll
-            for (int j = 0; j < BN / 8; ++j) {
-                sc[4 * j + 2 * r] = ex2(sc[4 * j + 2 * r] - m_use);
-                sc[4 * j + 2 * r + 1] = ex2(sc[4 * j + 2 * r + 1] - m_use);
-                sum += sc[4 * j + 2 * r] + sc[4 * j + 2 * r + 1];
+                    for (int e = 0; e < 4; ++e) {
+                        const int kj = kt * BN + 8 * j + 2 * tq + (e & 1);
+                        const int kp = kj >= p.Tk ? kNoKey : (positions ? __ldg(p.k_pos + kj) : kj);
+                        if (kp < qlo[e >> 1] || kp > qpos[e >> 1]) sc[4 * j + e] = -INFINITY;
+                    }
             }
-            l[r] = l[r] * corr[r] + sum;
-            m[r] = mx;
-        }
-    };
-    /* Pins the P fragments: defined before the next wgmma.fence (no non-wgmma instruction defines
-     * a wgmma input inside a pipeline stage, ptxas C7513), untouched until their MMA is waited. */
-    auto fence_p = [&](uint32_t (*pf)[4]) {
 #pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk)
+            for (int r = 0; r < 2; ++r) {
+                float mx = m[r];
 #pragma unroll
-            for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(pf[kk][e])::"memory");
-    };
-    /* P into A fragments. */
-    auto to_p = [&](const float *sc, uint32_t (*pf)[4]) {
+                for (int j = 0; j < BN / 8; ++j) mx = fmaxf(mx, fmaxf(sc[4 * j + 2 * r], sc[4 * j + 2 * r + 1]));
+                mx = quad_max(mx);
+                const float m_use = mx == -INFINITY ? 0.f : mx;
+                corr[r] = ex2(m[r] - m_use);
+                float sum = 0.f;
 #pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk) {
-            pf[kk][0] = elem<T>::pack(sc[8 * kk + 0], sc[8 * kk + 1]);
-            pf[kk][1] = elem<T>::pack(sc[8 * kk + 2], sc[8 * kk + 3]);
-            pf[kk][2] = elem<T>::pack(sc[8 * kk + 4], sc[8 * kk + 5]);
-            pf[kk][3] = elem<T>::pack(sc[8 * kk + 6], sc[8 * kk + 7]);
-        }
-        fence_p(pf);
-    };
-    auto rescale = [&](const float *corr) {
+                for (int j = 0; j < BN / 8; ++j) {
+                    sc[4 * j + 2 * r] = ex2(sc[4 * j + 2 * r] - m_use);
+                    sc[4 * j + 2 * r + 1] = ex2(sc[4 * j + 2 * r + 1] - m_use);
+                    sum += sc[4 * j + 2 * r] + sc[4 * j + 2 * r + 1];
+                }
+                l[r] = l[r] * corr[r] + sum;
+                m[r] = mx;
+            }
+        };
+        /* Pins the P fragments: defined before the next wgmma.fence (no non-wgmma instruction
+         * defines a wgmma input inside a pipeline stage, ptxas C7513), untouched until their MMA is
+         * waited. */
+        auto fence_p = [&](uint32_t (*pf)[4]) {
 #pragma unroll
-        for (int j = 0; j < D / 8; ++j) {
-            o[4 * j + 0] *= corr[0];
-            o[4 * j + 1] *= corr[0];
-            o[4 * j + 2] *= corr[1];
-            o[4 * j + 3] *= corr[1];
-        }
-    };
-    auto release = [&](int s) {
-        __syncwarp();
-        if (lane == 0) sm90::mbar_arrive(bar_e(s));
-    };
+            for (int kk = 0; kk < BN / 16; ++kk)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(pf[kk][e])::"memory");
+        };
+        /* P into A fragments. */
+        auto to_p = [&](const float *sc, uint32_t (*pf)[4]) {
+#pragma unroll
+            for (int kk = 0; kk < BN / 16; ++kk) {
+                pf[kk][0] = elem<T>::pack(sc[8 * kk + 0], sc[8 * kk + 1]);
+                pf[kk][1] = elem<T>::pack(sc[8 * kk + 2], sc[8 * kk + 3]);
+                pf[kk][2] = elem<T>::pack(sc[8 * kk + 4], sc[8 * kk + 5]);
+                pf[kk][3] = elem<T>::pack(sc[8 * kk + 6], sc[8 * kk + 7]);
+            }
+            fence_p(pf);
+        };
+        auto rescale = [&](const float *corr) {
+#pragma unroll
+            for (int j = 0; j < D / 8; ++j) {
+                o[4 * j + 0] *= corr[0];
+                o[4 * j + 1] *= corr[0];
+                o[4 * j + 2] *= corr[1];
+                o[4 * j + 3] *= corr[1];
+            }
+        };
+        auto release = [&](int s) {
+            __syncwarp();
+            if (lane == 0) sm90::mbar_arrive(bar_e(s));
+        };
 
-    sm90::mbar_wait(bar_q, 0);
-    if (!PINGPONG) { /* serial schedule: each MMA batch waited for at once */
-        for (int it = 0; it < n_it; ++it) {
-            const int s = it % kStages;
+        sm90::mbar_wait(bar_q(qb), (n >> 1) & 1);
+        if (!PINGPONG) { /* serial schedule: each MMA batch waited for at once */
+            for (int it = 0; it < n_it; ++it) {
+                const int s = slot(it);
+                float sc[BN / 2], corr[2];
+                uint32_t pf[BN / 16][4];
+                sm90::mbar_wait(bar_k(s), phase(it));
+                issue_s(sc, s);
+                sm90::wg_wait<0>();
+                sm90::fence_regs(sc, BN / 2);
+                softmax(sc, it, corr);
+                to_p(sc, pf);
+                rescale(corr);
+                sm90::mbar_wait(bar_v(s), phase(it));
+                issue_pv(pf, s);
+                sm90::wg_wait<0>();
+                sm90::fence_regs(o, D / 2);
+                fence_p(pf);
+                release(s);
+            }
+        } else if (n_it > 0) {
+            /* Ping-pong: one warpgroup's softmax runs while the other's MMAs occupy the tensor
+             * cores; inside a warpgroup S(it) and P(it-1) V(it-1) are issued together and the
+             * softmax of S(it) overlaps P(it-1) V(it-1). */
             float sc[BN / 2], corr[2];
             uint32_t pf[BN / 16][4];
-            sm90::mbar_wait(bar_k(s), (it / kStages) & 1);
-            issue_s(sc, s);
+            sm90::mbar_wait(bar_k(slot(0)), phase(0));
+            sm90::named_sync(pp_me, 256);
+            issue_s(sc, slot(0));
+            sm90::named_arrive(pp_other, 256);
             sm90::wg_wait<0>();
             sm90::fence_regs(sc, BN / 2);
-            softmax(sc, it, corr);
+            softmax(sc, 0, corr); /* O is still zero: corr not needed */
             to_p(sc, pf);
-            rescale(corr);
-            sm90::mbar_wait(bar_v(s), (it / kStages) & 1);
-            issue_pv(pf, s);
+            for (int it = 1; it < n_it; ++it) {
+                const int s = slot(it), sp = slot(it - 1);
+                sm90::mbar_wait(bar_k(s), phase(it));
+                sm90::named_sync(pp_me, 256);
+                issue_s(sc, s);
+                if (it > 1) rescale(corr); /* O had P(it-2) V(it-2) added; the factor of tile it-1 */
+                sm90::mbar_wait(bar_v(sp), phase(it - 1));
+                issue_pv(pf, sp);
+                sm90::named_arrive(pp_other, 256);
+                sm90::wg_wait<1>(); /* S(it) done; P(it-1) V(it-1) may still run */
+                sm90::fence_regs(sc, BN / 2);
+                softmax(sc, it, corr);
+                sm90::wg_wait<0>();
+                sm90::fence_regs(o, D / 2);
+                fence_p(pf); /* P(it-1) registers stay untouched until its MMA finished */
+                release(sp);
+                to_p(sc, pf);
+            }
+            const int sl = slot(n_it - 1);
+            if (n_it > 1) rescale(corr);
+            sm90::mbar_wait(bar_v(sl), phase(n_it - 1));
+            issue_pv(pf, sl);
             sm90::wg_wait<0>();
             sm90::fence_regs(o, D / 2);
             fence_p(pf);
-            release(s);
+            release(sl);
         }
-    } else if (n_it > 0) {
-        /* Ping-pong: the two consumer warpgroups take turns issuing their MMAs (named barriers
-         * kPP + cw, 256 threads: a warpgroup waits on its own and arrives on the other's), so one
-         * warpgroup's softmax runs while the other's MMAs occupy the tensor cores. Inside a
-         * warpgroup S(it) and P(it-1) V(it-1) are issued together and the softmax of S(it)
-         * overlaps P(it-1) V(it-1). Each barrier completes n_it times: warpgroup 1 arrives once
-         * up front and skips its arrival on its last tile. */
-        const int pp_me = kPP + cw, pp_other = kPP + 1 - cw;
-        if (cw == 1) sm90::named_arrive(kPP, 256);
-        float sc[BN / 2], corr[2];
-        uint32_t pf[BN / 16][4];
-        sm90::mbar_wait(bar_k(0), 0);
-        sm90::named_sync(pp_me, 256);
-        issue_s(sc, 0);
-        if (cw == 0 || n_it > 1) sm90::named_arrive(pp_other, 256);
-        sm90::wg_wait<0>();
-        sm90::fence_regs(sc, BN / 2);
-        softmax(sc, 0, corr); /* O is still zero: corr not needed */
-        to_p(sc, pf);
-        for (int it = 1; it < n_it; ++it) {
-            const int s = it % kStages, sp = (it - 1) % kStages;
-            sm90::mbar_wait(bar_k(s), (it / kStages) & 1);
-            sm90::named_sync(pp_me, 256);
-            issue_s(sc, s);
-            if (it > 1) rescale(corr); /* O had P(it-2) V(it-2) added; the factor of tile it-1 */
-            sm90::mbar_wait(bar_v(sp), ((it - 1) / kStages) & 1);
-            issue_pv(pf, sp);
-            if (cw == 0 || it + 1 < n_it) sm90::named_arrive(pp_other, 256);
-            sm90::wg_wait<1>(); /* S(it) done; P(it-1) V(it-1) may still run */
-            sm90::fence_regs(sc, BN / 2);
-            softmax(sc, it, corr);
-            sm90::wg_wait<0>();
-            sm90::fence_regs(o, D / 2);
-            fence_p(pf); /* P(it-1) registers stay untouched until its MMA finished */
-            release(sp);
-            to_p(sc, pf);
-        }
-        const int sl = (n_it - 1) % kStages;
-        if (n_it > 1) rescale(corr);
-        sm90::mbar_wait(bar_v(sl), ((n_it - 1) / kStages) & 1);
-        issue_pv(pf, sl);
-        sm90::wg_wait<0>();
-        sm90::fence_regs(o, D / 2);
-        fence_p(pf);
-        release(sl);
-    }
+        kv0 += n_it;
 
-    /* ---- epilogue: O = acc / l staged through this warpgroup's Q rows, lse ---------------- */
-    float inv[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        l[r] = quad_sum(l[r]);
-        inv[r] = l[r] > 0.f ? 1.f / l[r] : 0.f;
-    }
-#pragma unroll
-    for (int j = 0; j < D / 8; ++j)
+        /* ---- epilogue: O = acc / l staged through this warpgroup's Q rows, lse ------------- */
+        float inv[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            const uint32_t v = elem<T>::pack(o[4 * j + 2 * r] * inv[r], o[4 * j + 2 * r + 1] * inv[r]);
-            const uint32_t addr = sQ + sm90::sw128_offset(HBM, row0 + 8 * r, 8 * j + 2 * tq);
-            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v));
+            l[r] = quad_sum(l[r]);
+            inv[r] = l[r] > 0.f ? 1.f / l[r] : 0.f;
         }
-    if (tq == 0) {
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const int i = q0 + row0 + 8 * r;
-            if (i < p.Tq) p.lse[(int64_t)h * p.Tq + i] = l[r] > 0.f ? (m[r] + __log2f(l[r])) * kLn2 : -INFINITY;
+        for (int j = 0; j < D / 8; ++j)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const uint32_t v = elem<T>::pack(o[4 * j + 2 * r] * inv[r], o[4 * j + 2 * r + 1] * inv[r]);
+                const uint32_t addr = sQ + sm90::sw128_offset(HBM, row0 + 8 * r, 8 * j + 2 * tq);
+                asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v));
+            }
+        if (tq == 0) {
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const int i = q0 + row0 + 8 * r;
+                if (i < p.Tq) p.lse[(int64_t)h * p.Tq + i] = l[r] > 0.f ? (m[r] + __log2f(l[r])) * kLn2 : -INFINITY;
+            }
         }
+        sm90::named_sync(1 + cw, 128);
+        T *oh = reinterpret_cast<T *>(p.out) + (int64_t)h * p.o_sh;
+        constexpr int kChunks = D / 8;
+        for (int i = tid & 127; i < 64 * kChunks; i += 128) {
+            const int row = 64 * cw + i / kChunks, chunk = i % kChunks, q = q0 + row;
+            if (q >= p.Tq) continue;
+            uint4 v;
+            asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];\n"
+                         : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                         : "r"(sQ + sm90::sw128_offset(HBM, row, chunk * 8)));
+            *reinterpret_cast<uint4 *>(oh + (int64_t)q * p.o_st + chunk * 8) = v;
+        }
+        /* The Q buffer goes back to the producer (its next TMA write is ordered after these
+         * generic-proxy accesses). */
+        sm90::fence_proxy_async_smem();
+        __syncwarp();
+        if (lane == 0) sm90::mbar_arrive(bar_qe(qb));
     }
-    sm90::named_sync(1 + cw, 128);
-    T *oh = reinterpret_cast<T *>(p.out) + (int64_t)h * p.o_sh;
-    constexpr int kChunks = D / 8;
-    for (int i = tid & 127; i < 64 * kChunks; i += 128) {
-        const int row = 64 * cw + i / kChunks, chunk = i % kChunks, q = q0 + row;
-        if (q >= p.Tq) continue;
-        uint4 v;
-        asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];\n"
-                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                     : "r"(sQ + sm90::sw128_offset(HBM, row, chunk * 8)));
-        *reinterpret_cast<uint4 *>(oh + (int64_t)q * p.o_st + chunk * 8) = v;
-    }
+    if (PINGPONG && cw == 0) sm90::named_sync(kPP, 256); /* warpgroup 1's last arrival */
 #else
     __trap(); /* never launched: the host only picks this kernel on sm_90a builds and devices */
 #endif
 }
 
+/* Number of SMs of the current device (cached per device; 0 when it cannot be read). */
+int sm_count() {
+    static int cached[64];
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || dev < 0) return 0;
+    if (dev < 64 && cached[dev] > 0) return cached[dev];
+    int n = 0;
+    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) return 0;
+    if (dev < 64) cached[dev] = n;
+    return n;
+}
+
+/* persistent: one CTA per SM walks the work items (the next item's Q and K/V tiles load during the
+ * current item's last tiles and epilogue); otherwise one CTA per item. */
 template <typename T, int D, int BN, bool PINGPONG>
-ncp_status launch(const ncp_sink_attn_params &p, cudaStream_t stream) {
+ncp_status launch(const ncp_sink_attn_params &p, bool persistent, cudaStream_t stream) {
     CUtensorMap tq, tk, tv;
     NCP_TRY(ncp_sm90_tensor_map(&tq, p.q, p.Tq, p.Hq, D, p.q_st, p.q_sh, HBM));
     NCP_TRY(ncp_sm90_tensor_map(&tk, p.k, p.Tk, p.Hkv, D, p.k_st, p.k_sh, BN));
@@ -343,26 +399,43 @@ ncp_status launch(const ncp_sink_attn_params &p, cudaStream_t stream) {
     constexpr int bytes = fwd_layout<D, BN>::bytes;
     auto kernel = sink_attn_fwd_sm90_kernel<T, D, BN, PINGPONG>;
     NCP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-    const dim3 grid(p.Hq, (p.Tq + HBM - 1) / HBM);
-    kernel<<<grid, kThreads, bytes, stream>>>(tq, tk, tv, p);
+    const int64_t items = (int64_t)p.Hq * ((p.Tq + HBM - 1) / HBM);
+    NCP_CHECK(items <= INT32_MAX / 2, NCP_ERR_INVALID_ARG, "too many attention work items (Hq=%d, Tq=%d)", p.Hq, p.Tq);
+    int64_t grid = items;
+    if (persistent) {
+        int64_t cap = sm_count(); /* __launch_bounds__(kThreads, 1): one CTA per SM */
+        const char *e = getenv("NCP_SM90_FWD_GRID"); /* tests: fewer CTAs, many items each */
+        if (e != nullptr && atoi(e) > 0) cap = atoi(e);
+        if (cap > 0 && grid > cap) grid = cap;
+    }
+    kernel<<<(unsigned)grid, kThreads, bytes, stream>>>(tq, tk, tv, p);
     NCP_CUDA_CHECK(cudaGetLastError());
     return NCP_OK;
 }
 
-template <typename T, int D, bool PINGPONG> ncp_status launch_mode(const ncp_sink_attn_params &p, cudaStream_t s) {
-    return p.q_pos != nullptr ? launch<T, D, NCP_FWD_BN, PINGPONG>(p, s) : launch<T, D, 128, PINGPONG>(p, s);
+template <typename T, int D, bool PINGPONG>
+ncp_status launch_mode(const ncp_sink_attn_params &p, bool persistent, cudaStream_t s) {
+    return p.q_pos != nullptr ? launch<T, D, NCP_FWD_BN, PINGPONG>(p, persistent, s)
+                              : launch<T, D, 128, PINGPONG>(p, persistent, s);
 }
 
 /* Schedule: NCP_SM90_FWD_SCHED=serial|pingpong (read on every call); otherwise serial for
  * contiguous full-causal masks (measured faster on the H200: 529-531 vs 491-492 TFLOP/s on 32k
  * documents, about even on 8k) and ping-pong for windows and the positions (CP) mode (faster at
- * window 128, even at 513). BENCHMARKS.md section 1. */
+ * window 128, even at 513). Grid: NCP_SM90_FWD_PERSIST=1|0; otherwise persistent for windows and
+ * the positions mode, where items are a few kv tiles long, and one CTA per item for full-causal
+ * masks (NCP_SM90_FWD_GRID=n caps a persistent grid at n CTAs, for tests). BENCHMARKS.md
+ * section 1. */
 template <typename T, int D> ncp_status launch_any(const ncp_sink_attn_params &p, cudaStream_t s) {
     const char *e = getenv("NCP_SM90_FWD_SCHED");
     bool pingpong = p.q_pos != nullptr || p.window > 0;
     if (e != nullptr && strcmp(e, "serial") == 0) pingpong = false;
     if (e != nullptr && strcmp(e, "pingpong") == 0) pingpong = true;
-    return pingpong ? launch_mode<T, D, true>(p, s) : launch_mode<T, D, false>(p, s);
+    const char *ep = getenv("NCP_SM90_FWD_PERSIST");
+    bool persistent = p.q_pos != nullptr || p.window > 0;
+    if (ep != nullptr && strcmp(ep, "0") == 0) persistent = false;
+    if (ep != nullptr && strcmp(ep, "1") == 0) persistent = true;
+    return pingpong ? launch_mode<T, D, true>(p, persistent, s) : launch_mode<T, D, false>(p, persistent, s);
 }
 
 }  // namespace
