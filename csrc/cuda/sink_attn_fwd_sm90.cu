@@ -12,9 +12,12 @@
  *                memory), mask only on partial tiles, online softmax started from the sink in
  *                registers, then O += P V with wgmma (P from registers, V MN-major from shared).
  * Kv tiles of BN keys: 128 in contiguous mode (range from cu_seqlens and the window, diagonal
- * first), NCP_FWD_BN = 64 in positions mode (the plan's CSR schedule). Grid (Hq, q tiles),
- * heaviest tiles first. The epilogue stages O through the warpgroup's own Q rows in shared memory
- * for 16-byte stores.
+ * first), NCP_FWD_BN = 64 in positions mode (the plan's CSR schedule). Work items (q tile, head),
+ * heads fastest and the heaviest q tiles first; either one CTA per item or a persistent grid of one
+ * CTA per SM taking items b, b + grid, ... (NCP_SM90_FWD_PERSIST). On the persistent grid the Q tile
+ * is double-buffered and the K/V ring, its mbarrier phases and the ping-pong turns run on across
+ * items, so the producer loads item n + 1 while the consumers finish item n. The epilogue stages O
+ * through the warpgroup's own Q rows in shared memory for 16-byte stores, then frees the Q buffer.
  *
  * Schedules (template PINGPONG; NCP_SM90_FWD_SCHED=serial|pingpong, otherwise serial for
  * contiguous full-causal masks and ping-pong for windows and the positions mode):
