@@ -28,10 +28,11 @@ def fwd_kernel(request, monkeypatch):
     """Runs a test on the default kernels (on an H200: the Hopper forward with its default schedule
     and grid per mask and the atomic-dQ backward), on the serial Hopper forward on a persistent grid
     of 7 CTAs (many work items each) with the deterministic Hopper backward, on the ping-pong Hopper
-    forward with one CTA per work item and the deterministic dK/dV kernel with MMA overlap, and on
+    forward with one CTA per work item, a 3-stage K/V ring and the deterministic dK/dV kernel with
+    MMA overlap, and on
     the portable mma.sync forward and backward (switches are read at each call)."""
     for var in ("NCP_FWD_VARIANT", "NCP_BWD_VARIANT", "NCP_SM90_FWD_SCHED", "NCP_SM90_FWD_PERSIST", "NCP_SM90_FWD_GRID",
-                "NCP_SM90_BWD_OVERLAP", "NCP_DETERMINISTIC"):  # fmt: skip
+                "NCP_SM90_FWD_STAGES", "NCP_SM90_BWD_OVERLAP", "NCP_DETERMINISTIC"):  # fmt: skip
         monkeypatch.delenv(var, raising=False)
     if request.param == "portable":
         monkeypatch.setenv("NCP_FWD_VARIANT", "3")
@@ -44,6 +45,7 @@ def fwd_kernel(request, monkeypatch):
     elif request.param == "sm90-bwd-overlap":
         monkeypatch.setenv("NCP_SM90_FWD_SCHED", "pingpong")
         monkeypatch.setenv("NCP_SM90_FWD_PERSIST", "0")
+        monkeypatch.setenv("NCP_SM90_FWD_STAGES", "3")
         monkeypatch.setenv("NCP_SM90_BWD_OVERLAP", "1")
         monkeypatch.setenv("NCP_DETERMINISTIC", "1")
     return request.param
@@ -219,17 +221,20 @@ def test_cuda_atomic_dq_backward_matches_deterministic(d, window, ncp_seed, monk
         assert_close_to_ref(dq, ref_dq, lp_dq, name=name)
 
 
+@pytest.mark.parametrize("stages", ["2", "3"])
 @pytest.mark.parametrize("sched", ["serial", "pingpong"])
 @pytest.mark.parametrize("d,window,mode", [(128, 0, "random"), (128, 513, "random"), (64, 1, "window"), (128, 0, "tiny")])
-def test_cuda_persistent_forward_matches_one_cta_per_item(sched, d, window, mode, ncp_seed, monkeypatch):
+def test_cuda_persistent_forward_matches_one_cta_per_item(stages, sched, d, window, mode, ncp_seed, monkeypatch):
     """The persistent Hopper forward (grids of 1, 5 and one CTA per SM walking the work items, the
     Q buffers and the K/V ring carried across items) against one CTA per item: the same arithmetic
-    per item, so out and lse are bitwise equal."""
+    per item, so out and lse are bitwise equal (2- and 3-stage rings; at D = 128 the 3-stage ring
+    has a single Q buffer)."""
     if _C.sink_attn_fwd_variant() != 4:
         pytest.skip("needs the Hopper forward (sm_90a build, compute capability 9.0)")
     for var in ("NCP_FWD_VARIANT", "NCP_SM90_FWD_GRID"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("NCP_SM90_FWD_SCHED", sched)
+    monkeypatch.setenv("NCP_SM90_FWD_STAGES", stages)
     g = torch.Generator().manual_seed(ncp_seed)
     lengths = doc_lengths(2900, mode, window=window, mean=400, generator=g)
     c = make_attention_case(lengths, 8, 2, d, device=DEV, generator=g)

@@ -45,25 +45,29 @@ namespace {
 
 constexpr int HBM = 128;          /* query rows per CTA: two consumer warpgroups of 64 */
 constexpr int kThreads = 384;     /* producer + 2 consumer warpgroups */
-constexpr int kStages = 2;
 constexpr int kPP = 3;            /* named barriers kPP, kPP + 1: ping-pong turns (1, 2: epilogue) */
+constexpr int kSmemLimit = 232448; /* opt-in dynamic shared memory per block on sm_90 */
 
-template <int D, int BN> struct fwd_layout {
+/* STAGES-deep K/V ring; two Q buffers (item n + 1 loads during item n) when they fit, else one. */
+template <int D, int BN, int STAGES> struct fwd_layout {
     static constexpr int q_bytes = HBM * D * 2;
     static constexpr int kv_bytes = BN * D * 2;
-    static constexpr int k_off = 2 * q_bytes; /* two Q buffers: tile n + 1 loads during tile n */
-    static constexpr int v_off = k_off + kStages * kv_bytes;
-    /* q_full[2], q_empty[2], k_full[S], v_full[S], kv_empty[S] */
-    static constexpr int bar_off = v_off + kStages * kv_bytes;
-    static constexpr int bytes = bar_off + (4 + 3 * kStages) * 8 + 1024; /* + slack to align to 1024 */
+    static constexpr int n_bars = 4 + 4 * STAGES; /* q_full[2], q_empty[2], k/v_full[S], k/v_empty[S] */
+    static constexpr int n_q = 2 * q_bytes + 2 * STAGES * kv_bytes + n_bars * 8 + 1024 <= kSmemLimit ? 2 : 1;
+    static constexpr int k_off = n_q * q_bytes;
+    static constexpr int v_off = k_off + STAGES * kv_bytes;
+    static constexpr int bar_off = v_off + STAGES * kv_bytes;
+    static constexpr int bytes = bar_off + n_bars * 8 + 1024; /* + slack to align to 1024 */
+    static_assert(bytes <= kSmemLimit, "forward tiles exceed the shared memory of an sm_90 block");
 };
 
-template <typename T, int D, int BN, bool PINGPONG>
+template <typename T, int D, int BN, bool PINGPONG, int kStages>
 __global__ void __launch_bounds__(kThreads, 1)
     sink_attn_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                               const __grid_constant__ CUtensorMap tm_v, const ncp_sink_attn_params p) {
 #ifdef NCP_SM90_DEVICE
-    using L = fwd_layout<D, BN>;
+    using L = fwd_layout<D, BN, kStages>;
+    constexpr int NQ = L::n_q;
     extern __shared__ unsigned char smem_raw[];
     const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
     const uint32_t sK0 = base + L::k_off, sV0 = base + L::v_off;
@@ -73,7 +77,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     auto bar_qe = [&](int b) { return bars + 8u * (2 + b); };
     auto bar_k = [&](int s) { return bars + 8u * (4 + s); };
     auto bar_v = [&](int s) { return bars + 8u * (4 + kStages + s); };
-    auto bar_e = [&](int s) { return bars + 8u * (4 + 2 * kStages + s); };
+    auto bar_ke = [&](int s) { return bars + 8u * (4 + 2 * kStages + s); };
+    auto bar_ve = [&](int s) { return bars + 8u * (4 + 3 * kStages + s); };
 
     const int tid = threadIdx.x, wg = tid / 128, lane = tid & 31;
     const bool positions = p.q_pos != nullptr;
@@ -89,7 +94,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int s = 0; s < kStages; ++s) {
             sm90::mbar_init(bar_k(s), 1);
             sm90::mbar_init(bar_v(s), 1);
-            sm90::mbar_init(bar_e(s), 8); /* one arrival per consumer warp */
+            sm90::mbar_init(bar_ke(s), 8); /* one arrival per consumer warp once its S MMA is done */
+            sm90::mbar_init(bar_ve(s), 8); /* ... once its P V MMA is done */
         }
         sm90::mbar_fence_init();
     }
@@ -137,19 +143,23 @@ __global__ void __launch_bounds__(kThreads, 1)
             int kv = 0; /* kv tiles loaded so far: ring slot kv % kStages */
             for (int t = blockIdx.x, n = 0; t < n_items; t += gridDim.x, ++n) {
                 const item w = item_at(t);
-                const int qb = n & 1;
-                if (n >= 2) sm90::mbar_wait(bar_qe(qb), ((n >> 1) & 1) ^ 1);
+                const int qb = n % NQ;
+                if (n >= NQ) sm90::mbar_wait(bar_qe(qb), ((n / NQ) & 1) ^ 1);
                 sm90::mbar_expect_tx(bar_q(qb), HBM * D * 2);
                 sm90::tma_load_tile<D>(q_buf(qb), &tm_q, HBM, w.h, w.q0, bar_q(qb));
                 const int g_kv = w.h / group;
                 for (int it = 0; it < w.n_it; ++it, ++kv) {
                     const int s = kv % kStages;
-                    if (kv >= kStages) sm90::mbar_wait(bar_e(s), ((kv / kStages) & 1) ^ 1);
+                    const uint32_t par = ((kv / kStages) & 1) ^ 1;
                     bool full;
                     const int kt = tile_at(w, it, full);
                     const uint32_t sK = sK0 + s * L::kv_bytes, sV = sV0 + s * L::kv_bytes;
+                    /* K and V slots are freed separately: K once every S MMA that read it is done,
+                     * V only after P V, so the next K load starts earlier. */
+                    if (kv >= kStages) sm90::mbar_wait(bar_ke(s), par);
                     sm90::mbar_expect_tx(bar_k(s), L::kv_bytes);
                     sm90::tma_load_tile<D>(sK, &tm_k, BN, g_kv, kt * BN, bar_k(s));
+                    if (kv >= kStages) sm90::mbar_wait(bar_ve(s), par);
                     sm90::mbar_expect_tx(bar_v(s), L::kv_bytes);
                     sm90::tma_load_tile<D>(sV, &tm_v, BN, g_kv, kt * BN, bar_v(s));
                 }
@@ -175,7 +185,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     int kv0 = 0; /* kv tiles consumed before this item */
     for (int t = blockIdx.x, n = 0; t < n_items; t += gridDim.x, ++n) {
         const item w = item_at(t);
-        const int h = w.h, q0 = w.q0, n_it = w.n_it, qb = n & 1;
+        const int h = w.h, q0 = w.q0, n_it = w.n_it, qb = n % NQ;
         const uint32_t sQ = q_buf(qb);
         int qpos[2], qlo[2];
 #pragma unroll
@@ -265,12 +275,16 @@ __global__ void __launch_bounds__(kThreads, 1)
                 o[4 * j + 3] *= corr[1];
             }
         };
-        auto release = [&](int s) {
+        auto release_k = [&](int s) {
             __syncwarp();
-            if (lane == 0) sm90::mbar_arrive(bar_e(s));
+            if (lane == 0) sm90::mbar_arrive(bar_ke(s));
+        };
+        auto release_v = [&](int s) {
+            __syncwarp();
+            if (lane == 0) sm90::mbar_arrive(bar_ve(s));
         };
 
-        sm90::mbar_wait(bar_q(qb), (n >> 1) & 1);
+        sm90::mbar_wait(bar_q(qb), (n / NQ) & 1);
         if (!PINGPONG) { /* serial schedule: each MMA batch waited for at once */
             for (int it = 0; it < n_it; ++it) {
                 const int s = slot(it);
@@ -280,6 +294,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                 issue_s(sc, s);
                 sm90::wg_wait<0>();
                 sm90::fence_regs(sc, BN / 2);
+                release_k(s);
                 softmax(sc, it, corr);
                 to_p(sc, pf);
                 rescale(corr);
@@ -288,7 +303,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                 sm90::wg_wait<0>();
                 sm90::fence_regs(o, D / 2);
                 fence_p(pf);
-                release(s);
+                release_v(s);
             }
         } else if (n_it > 0) {
             /* Ping-pong: one warpgroup's softmax runs while the other's MMAs occupy the tensor
@@ -302,6 +317,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             sm90::named_arrive(pp_other, 256);
             sm90::wg_wait<0>();
             sm90::fence_regs(sc, BN / 2);
+            release_k(slot(0));
             softmax(sc, 0, corr); /* O is still zero: corr not needed */
             to_p(sc, pf);
             for (int it = 1; it < n_it; ++it) {
@@ -315,11 +331,12 @@ __global__ void __launch_bounds__(kThreads, 1)
                 sm90::named_arrive(pp_other, 256);
                 sm90::wg_wait<1>(); /* S(it) done; P(it-1) V(it-1) may still run */
                 sm90::fence_regs(sc, BN / 2);
+                release_k(s);
                 softmax(sc, it, corr);
                 sm90::wg_wait<0>();
                 sm90::fence_regs(o, D / 2);
                 fence_p(pf); /* P(it-1) registers stay untouched until its MMA finished */
-                release(sp);
+                release_v(sp);
                 to_p(sc, pf);
             }
             const int sl = slot(n_it - 1);
@@ -329,7 +346,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             sm90::wg_wait<0>();
             sm90::fence_regs(o, D / 2);
             fence_p(pf);
-            release(sl);
+            release_v(sl);
         }
         kv0 += n_it;
 
@@ -393,14 +410,14 @@ int sm_count() {
 
 /* persistent: one CTA per SM walks the work items (the next item's Q and K/V tiles load during the
  * current item's last tiles and epilogue); otherwise one CTA per item. */
-template <typename T, int D, int BN, bool PINGPONG>
+template <typename T, int D, int BN, bool PINGPONG, int STAGES>
 ncp_status launch(const ncp_sink_attn_params &p, bool persistent, cudaStream_t stream) {
     CUtensorMap tq, tk, tv;
     NCP_TRY(ncp_sm90_tensor_map(&tq, p.q, p.Tq, p.Hq, D, p.q_st, p.q_sh, HBM));
     NCP_TRY(ncp_sm90_tensor_map(&tk, p.k, p.Tk, p.Hkv, D, p.k_st, p.k_sh, BN));
     NCP_TRY(ncp_sm90_tensor_map(&tv, p.v, p.Tk, p.Hkv, D, p.v_st, p.v_sh, BN));
-    constexpr int bytes = fwd_layout<D, BN>::bytes;
-    auto kernel = sink_attn_fwd_sm90_kernel<T, D, BN, PINGPONG>;
+    constexpr int bytes = fwd_layout<D, BN, STAGES>::bytes;
+    auto kernel = sink_attn_fwd_sm90_kernel<T, D, BN, PINGPONG, STAGES>;
     NCP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
     const int64_t items = (int64_t)p.Hq * ((p.Tq + HBM - 1) / HBM);
     NCP_CHECK(items <= INT32_MAX / 2, NCP_ERR_INVALID_ARG, "too many attention work items (Hq=%d, Tq=%d)", p.Hq, p.Tq);
@@ -416,10 +433,10 @@ ncp_status launch(const ncp_sink_attn_params &p, bool persistent, cudaStream_t s
     return NCP_OK;
 }
 
-template <typename T, int D, bool PINGPONG>
+template <typename T, int D, bool PINGPONG, int STAGES>
 ncp_status launch_mode(const ncp_sink_attn_params &p, bool persistent, cudaStream_t s) {
-    return p.q_pos != nullptr ? launch<T, D, NCP_FWD_BN, PINGPONG>(p, persistent, s)
-                              : launch<T, D, 128, PINGPONG>(p, persistent, s);
+    return p.q_pos != nullptr ? launch<T, D, NCP_FWD_BN, PINGPONG, STAGES>(p, persistent, s)
+                              : launch<T, D, 128, PINGPONG, STAGES>(p, persistent, s);
 }
 
 /* Schedule: NCP_SM90_FWD_SCHED=serial|pingpong (read on every call); otherwise serial for
@@ -427,8 +444,9 @@ ncp_status launch_mode(const ncp_sink_attn_params &p, bool persistent, cudaStrea
  * documents, about even on 8k) and ping-pong for windows and the positions (CP) mode (faster at
  * window 128, even at 513). Grid: NCP_SM90_FWD_PERSIST=1|0; otherwise persistent for windows and
  * the positions mode, where items are a few kv tiles long, and one CTA per item for full-causal
- * masks (NCP_SM90_FWD_GRID=n caps a persistent grid at n CTAs, for tests). BENCHMARKS.md
- * section 1. */
+ * masks (NCP_SM90_FWD_GRID=n caps a persistent grid at n CTAs, for tests). K/V ring depth:
+ * NCP_SM90_FWD_STAGES=3|2, default 2 (at D = 128 a third stage leaves room for one Q buffer only).
+ * BENCHMARKS.md section 1. */
 template <typename T, int D> ncp_status launch_any(const ncp_sink_attn_params &p, cudaStream_t s) {
     const char *e = getenv("NCP_SM90_FWD_SCHED");
     bool pingpong = p.q_pos != nullptr || p.window > 0;
@@ -438,7 +456,10 @@ template <typename T, int D> ncp_status launch_any(const ncp_sink_attn_params &p
     bool persistent = p.q_pos != nullptr || p.window > 0;
     if (ep != nullptr && strcmp(ep, "0") == 0) persistent = false;
     if (ep != nullptr && strcmp(ep, "1") == 0) persistent = true;
-    return pingpong ? launch_mode<T, D, true>(p, persistent, s) : launch_mode<T, D, false>(p, persistent, s);
+    const char *es = getenv("NCP_SM90_FWD_STAGES");
+    const bool three = es != nullptr && strcmp(es, "3") == 0;
+    if (three) return pingpong ? launch_mode<T, D, true, 3>(p, persistent, s) : launch_mode<T, D, false, 3>(p, persistent, s);
+    return pingpong ? launch_mode<T, D, true, 2>(p, persistent, s) : launch_mode<T, D, false, 2>(p, persistent, s);
 }
 
 }  // namespace
