@@ -2,13 +2,15 @@
 # One call on the GPU machine: build, CUDA tests, compute-sanitizer, benchmarks.
 # Logs and JSON go to $OUT (at most 8 files come back: keep it to these):
 #   build.log  pytest.log  sanitizer.log  bench_attn.json  bench_mimo.json  bench_flint.json
-#   summary.txt (headlines + every benchmark's printed table)  sass.txt  (probe.log with probe)
+#   summary.txt (headlines + every benchmark's printed table)  sass.txt  (probe.log with probe,
+#   ncu.txt with profile)
 #
 #   OUT=/tmp/out NCP_COMMIT=<sha> bash benchmarks/gpu_run.sh [stage ...]
 # Set NCP_COMMIT from the machine that holds the repository: the device tool's copy of .git can be
 # stale, so `git rev-parse` run there may name an older commit than the tree it copied.
-# stages: build test sanitize probe kernels attn mimo flint all (default: all; probe: the
-# racecheck mbarrier probe, not part of all). Test, sanitizer and
+# stages: build test sanitize probe profile kernels attn mimo flint all (default: all; probe: the
+# racecheck mbarrier probe, profile: Nsight Compute on the Hopper forward, PROF_CASES, PROF_ENV;
+# neither is part of all). Test, sanitizer and
 # attention stages run under `timeout` (TEST_TIMEOUT, SAN_TIMEOUT, ATTN_TIMEOUT seconds). Each stage appends its
 # headline to summary.txt; a failing stage is reported and the next one still runs.
 set -uo pipefail
@@ -65,6 +67,17 @@ if [[ " $STAGES " == *" probe "* ]]; then  # only when named: does racecheck mod
   else
     note "racecheck probe: nvcc failed (probe.log)"
   fi
+fi
+
+if [[ " $STAGES " == *" profile "* ]]; then  # only when named: Nsight Compute on the Hopper forward (ncu.txt)
+  for c in ${PROF_CASES:-flint-8k-w513 flint-8k-causal}; do
+    echo "==== $c (${PROF_ENV:-defaults})" >> "$OUT/ncu.txt"
+    env ${PROF_ENV:-} timeout ${PROF_TIMEOUT:-200} ncu --clock-control none --kernel-name regex:sink_attn_fwd_sm90 --launch-skip 3 --launch-count 1 \
+      --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
+      --section MemoryWorkloadAnalysis --section LaunchStats --section Occupancy \
+      $PY benchmarks/profile_attn_fwd.py $c >> "$OUT/ncu.txt" 2>&1
+    note "ncu $c: exit $?"
+  done
 fi
 
 if want kernels; then
