@@ -175,6 +175,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int gq = lane >> 2, tq = lane & 3;
     const int row0 = 64 * cw + 16 * warp + gq;    /* tile rows row0 and row0 + 8 */
     const float scale_log2 = (float)p.scale * kLog2e;
+    const bool scale_pos = scale_log2 > 0.f;
     const bool has_sink = p.sink != nullptr;
     /* Ping-pong turns (named barriers kPP + cw, 256 threads): a warpgroup waits on its own and
      * arrives on the other's after each of its MMA issues. Warpgroup 1 arrives once up front and
@@ -215,8 +216,14 @@ __global__ void __launch_bounds__(kThreads, 1)
         auto softmax = [&](float *sc, int it, float *corr) {
             bool full;
             const int kt = tile_at(w, it, full);
+            /* Full tiles (with a positive scale) keep the raw scores: the row max is scaled once and
+             * the scale goes into the exponent's FFMA. Partial tiles are scaled first, then masked. */
+            float s_mul = scale_log2;
+            if (!full || !scale_pos) {
 #pragma unroll
-            for (int i = 0; i < BN / 2; ++i) sc[i] *= scale_log2;
+                for (int i = 0; i < BN / 2; ++i) sc[i] *= scale_log2;
+                s_mul = 1.f;
+            }
             if (!full) { /* one branch per tile: full tiles keep a single straight-line block */
 #pragma unroll
                 for (int j = 0; j < BN / 8; ++j)
@@ -229,17 +236,17 @@ __global__ void __launch_bounds__(kThreads, 1)
             }
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
-                float mx = m[r];
+                float mx = -INFINITY;
 #pragma unroll
                 for (int j = 0; j < BN / 8; ++j) mx = fmaxf(mx, fmaxf(sc[4 * j + 2 * r], sc[4 * j + 2 * r + 1]));
-                mx = quad_max(mx);
+                mx = fmaxf(m[r], quad_max(mx) * s_mul); /* s_mul > 0: the max of the scaled scores */
                 const float m_use = mx == -INFINITY ? 0.f : mx;
                 corr[r] = ex2(m[r] - m_use);
                 float sum = 0.f;
 #pragma unroll
                 for (int j = 0; j < BN / 8; ++j) {
-                    sc[4 * j + 2 * r] = ex2(sc[4 * j + 2 * r] - m_use);
-                    sc[4 * j + 2 * r + 1] = ex2(sc[4 * j + 2 * r + 1] - m_use);
+                    sc[4 * j + 2 * r] = ex2(fmaf(sc[4 * j + 2 * r], s_mul, -m_use));
+                    sc[4 * j + 2 * r + 1] = ex2(fmaf(sc[4 * j + 2 * r + 1], s_mul, -m_use));
                     sum += sc[4 * j + 2 * r] + sc[4 * j + 2 * r + 1];
                 }
                 l[r] = l[r] * corr[r] + sum;
