@@ -116,6 +116,7 @@ def bench_case(name, spec, *, flex: bool, reps: int, heat: float = 0.0) -> list[
         impls.append(("ncp-fwd-persistent", leaves[3], {"NCP_SM90_FWD_PERSIST": "1"}, "sm90 fwd, persistent grid"))
         impls.append(("ncp-fwd-per-item", leaves[3], {"NCP_SM90_FWD_PERSIST": "0"}, "sm90 fwd, one CTA per work item"))
         impls.append(("ncp-fwd-3stages", leaves[3], {"NCP_SM90_FWD_STAGES": "3"}, "sm90 fwd, 3-stage K/V ring"))
+        impls.append(("ncp-fwd-nofold", leaves[3], {"NCP_SM90_FWD_FOLD": "0"}, "sm90 fwd, scale not folded into exp"))
     if _C.sink_attn_bwd_variant() == 4:
         impls.append(("ncp-sm90-dq-red", leaves[3], {"NCP_SM90_DQ": "red"}, "sm90 atomic-dQ bwd, per-thread reductions"))
         impls.append(("ncp-deterministic", leaves[3], {"NCP_DETERMINISTIC": "1"}, "sm90 deterministic bwd (dQ kernel)"))

@@ -32,7 +32,7 @@ def fwd_kernel(request, monkeypatch):
     MMA overlap, and on
     the portable mma.sync forward and backward (switches are read at each call)."""
     for var in ("NCP_FWD_VARIANT", "NCP_BWD_VARIANT", "NCP_SM90_FWD_SCHED", "NCP_SM90_FWD_PERSIST", "NCP_SM90_FWD_GRID",
-                "NCP_SM90_FWD_STAGES", "NCP_SM90_BWD_OVERLAP", "NCP_DETERMINISTIC"):  # fmt: skip
+                "NCP_SM90_FWD_STAGES", "NCP_SM90_FWD_FOLD", "NCP_SM90_BWD_OVERLAP", "NCP_DETERMINISTIC"):  # fmt: skip
         monkeypatch.delenv(var, raising=False)
     if request.param == "portable":
         monkeypatch.setenv("NCP_FWD_VARIANT", "3")
@@ -253,7 +253,7 @@ def test_cuda_persistent_forward_matches_one_cta_per_item(stages, sched, d, wind
 
 
 @pytest.mark.parametrize("scale", [0.3, -0.125, 0.0])
-def test_cuda_any_softmax_scale(scale, ncp_seed, fwd_kernel):
+def test_cuda_any_softmax_scale(scale, ncp_seed, fwd_kernel, monkeypatch):
     """Positive, negative and zero scales (the Hopper forward folds a positive scale into the
     exponent on full tiles and scales first otherwise) against the fp64 oracle, with gradients."""
     g = torch.Generator().manual_seed(ncp_seed)
@@ -261,7 +261,8 @@ def test_cuda_any_softmax_scale(scale, ncp_seed, fwd_kernel):
     c = make_attention_case(lengths, 8, 2, 128, device=DEV, generator=g)
     leaves = [c[n].detach().requires_grad_() for n in ("q", "k", "v", "sink")]
     dout = torch.randn(c["q"].shape, generator=g).to(DEV, torch.bfloat16)
-    for window in (0, 300):
+    for window, fold in ((0, "1"), (300, "1"), (0, "0")):
+        monkeypatch.setenv("NCP_SM90_FWD_FOLD", fold)
         out, lse = ncp.sink_attention(*leaves, c["cu_seqlens"], window=window, scale=scale, return_lse=True)
         grads = _grads(out, leaves, dout)
         ref_leaves = [t.detach().double().requires_grad_() for t in leaves]

@@ -64,7 +64,7 @@ template <int D, int BN, int STAGES> struct fwd_layout {
 template <typename T, int D, int BN, bool PINGPONG, int kStages>
 __global__ void __launch_bounds__(kThreads, 1)
     sink_attn_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
-                              const __grid_constant__ CUtensorMap tm_v, const ncp_sink_attn_params p) {
+                              const __grid_constant__ CUtensorMap tm_v, const ncp_sink_attn_params p, int fold) {
 #ifdef NCP_SM90_DEVICE
     using L = fwd_layout<D, BN, kStages>;
     constexpr int NQ = L::n_q;
@@ -175,7 +175,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int gq = lane >> 2, tq = lane & 3;
     const int row0 = 64 * cw + 16 * warp + gq;    /* tile rows row0 and row0 + 8 */
     const float scale_log2 = (float)p.scale * kLog2e;
-    const bool scale_pos = scale_log2 > 0.f;
+    const bool scale_pos = fold && scale_log2 > 0.f; /* fold the scale into the exponent on full tiles */
     const bool has_sink = p.sink != nullptr;
     /* Ping-pong turns (named barriers kPP + cw, 256 threads): a warpgroup waits on its own and
      * arrives on the other's after each of its MMA issues. Warpgroup 1 arrives once up front and
@@ -418,7 +418,7 @@ int sm_count() {
 /* persistent: one CTA per SM walks the work items (the next item's Q and K/V tiles load during the
  * current item's last tiles and epilogue); otherwise one CTA per item. */
 template <typename T, int D, int BN, bool PINGPONG, int STAGES>
-ncp_status launch(const ncp_sink_attn_params &p, bool persistent, cudaStream_t stream) {
+ncp_status launch(const ncp_sink_attn_params &p, bool persistent, bool fold, cudaStream_t stream) {
     CUtensorMap tq, tk, tv;
     NCP_TRY(ncp_sm90_tensor_map(&tq, p.q, p.Tq, p.Hq, D, p.q_st, p.q_sh, HBM));
     NCP_TRY(ncp_sm90_tensor_map(&tk, p.k, p.Tk, p.Hkv, D, p.k_st, p.k_sh, BN));
@@ -435,15 +435,15 @@ ncp_status launch(const ncp_sink_attn_params &p, bool persistent, cudaStream_t s
         if (e != nullptr && atoi(e) > 0) cap = atoi(e);
         if (cap > 0 && grid > cap) grid = cap;
     }
-    kernel<<<(unsigned)grid, kThreads, bytes, stream>>>(tq, tk, tv, p);
+    kernel<<<(unsigned)grid, kThreads, bytes, stream>>>(tq, tk, tv, p, fold ? 1 : 0);
     NCP_CUDA_CHECK(cudaGetLastError());
     return NCP_OK;
 }
 
 template <typename T, int D, bool PINGPONG, int STAGES>
-ncp_status launch_mode(const ncp_sink_attn_params &p, bool persistent, cudaStream_t s) {
-    return p.q_pos != nullptr ? launch<T, D, NCP_FWD_BN, PINGPONG, STAGES>(p, persistent, s)
-                              : launch<T, D, 128, PINGPONG, STAGES>(p, persistent, s);
+ncp_status launch_mode(const ncp_sink_attn_params &p, bool persistent, bool fold, cudaStream_t s) {
+    return p.q_pos != nullptr ? launch<T, D, NCP_FWD_BN, PINGPONG, STAGES>(p, persistent, fold, s)
+                              : launch<T, D, 128, PINGPONG, STAGES>(p, persistent, fold, s);
 }
 
 /* Schedule: NCP_SM90_FWD_SCHED=serial|pingpong (read on every call); otherwise serial for
@@ -453,6 +453,7 @@ ncp_status launch_mode(const ncp_sink_attn_params &p, bool persistent, cudaStrea
  * the positions mode, where items are a few kv tiles long, and one CTA per item for full-causal
  * masks (NCP_SM90_FWD_GRID=n caps a persistent grid at n CTAs, for tests). K/V ring depth:
  * NCP_SM90_FWD_STAGES=3|2, default 2 (at D = 128 a third stage leaves room for one Q buffer only).
+ * NCP_SM90_FWD_FOLD=0: scale every tile's scores before the softmax (the fold's A/B baseline).
  * BENCHMARKS.md section 1. */
 template <typename T, int D> ncp_status launch_any(const ncp_sink_attn_params &p, cudaStream_t s) {
     const char *e = getenv("NCP_SM90_FWD_SCHED");
@@ -463,10 +464,15 @@ template <typename T, int D> ncp_status launch_any(const ncp_sink_attn_params &p
     bool persistent = p.q_pos != nullptr || p.window > 0;
     if (ep != nullptr && strcmp(ep, "0") == 0) persistent = false;
     if (ep != nullptr && strcmp(ep, "1") == 0) persistent = true;
+    const char *ef = getenv("NCP_SM90_FWD_FOLD");
+    const bool fold = !(ef != nullptr && strcmp(ef, "0") == 0);
     const char *es = getenv("NCP_SM90_FWD_STAGES");
     const bool three = es != nullptr && strcmp(es, "3") == 0;
-    if (three) return pingpong ? launch_mode<T, D, true, 3>(p, persistent, s) : launch_mode<T, D, false, 3>(p, persistent, s);
-    return pingpong ? launch_mode<T, D, true, 2>(p, persistent, s) : launch_mode<T, D, false, 2>(p, persistent, s);
+    if (three)
+        return pingpong ? launch_mode<T, D, true, 3>(p, persistent, fold, s)
+                        : launch_mode<T, D, false, 3>(p, persistent, fold, s);
+    return pingpong ? launch_mode<T, D, true, 2>(p, persistent, fold, s)
+                    : launch_mode<T, D, false, 2>(p, persistent, fold, s);
 }
 
 }  // namespace
