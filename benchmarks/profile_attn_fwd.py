@@ -6,14 +6,16 @@ gpu_run.sh runs it under Nsight Compute). Three warm-up calls, then one marked c
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
 
-import nemo_cp_native as ncp
-from nemo_cp_native.testing_attention import doc_lengths, make_attention_case
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
+import nemo_cp_native as ncp  # noqa: E402
+from nemo_cp_native.testing_attention import doc_lengths, make_attention_case  # noqa: E402
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_sink_attention import CASES, QUICK  # noqa: E402
 
 

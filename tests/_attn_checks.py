@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["check_dsink", "guarded", "guards_intact"]
+__all__ = ["check_dsink", "d_rounding_allowance", "guarded", "guards_intact"]
 
 GUARD = 7.0  # the pattern in the padding around a poisoned buffer (exact in every float dtype)
 
@@ -28,6 +28,30 @@ def check_dsink(dsink, out, lse, dout, sink, ref_dsink, lp_dsink, *, name="dsink
     bound = 2 * (lp_dsink.double() - ref_dsink).abs() + eps * scale + 1e-5
     err = (dsink.double() - ref_dsink).abs()
     assert torch.all(err <= bound), f"{name}: |dsink - ref| {err.tolist()} over {bound.tolist()}"
+
+
+def d_rounding_allowance(ref_fn, leaves, dout, dtype):
+    """Per-element allowance (float64 dq, dk, dv, ...) for rounding O in D_i = <dO_i, O_i>.
+
+    Flash kernels (and spec 5.7) take D from the stored, rounded O; autograd through a
+    low-precision reference does not. Where one key takes almost all of a row's weight (the first
+    token of a document, say), dS_ij = P_ij (dP_ij - D_i) cancels and that rounding is the whole
+    error of the row's dq (and of its key's dk), with nothing to average it out. Rounding O to
+    ``dtype`` moves D_i by at most e_i = u sum_d |dO_id O_id| (u the unit roundoff); since
+    d lse_i / d s_ij = P_ij, moving every D_i by e_i changes the gradients by minus the gradient of
+    sum_i e_i lse_i, whose magnitude is returned (for dq exactly the worst case per element; for dk
+    the rows' worst cases summed with one sign).
+
+    ``ref_fn(*leaves64) -> (out [T, Hq, D], lse [Hq, T])``.
+    """
+    ls = [t.detach().double().requires_grad_() for t in leaves]
+    out, lse = ref_fn(*ls)
+    u = torch.finfo(dtype).eps / 2
+    e = (u * (dout.double() * out.detach()).abs().sum(-1)).T  # [Hq, T]
+    finite = torch.isfinite(lse)
+    shift = (e * torch.where(finite, lse, torch.zeros_like(lse))).sum()
+    grads = torch.autograd.grad(shift, ls, allow_unused=True)  # v does not move lse
+    return [torch.zeros_like(t) if g is None else g.abs() for g, t in zip(grads, ls)]
 
 
 def guarded(shape, dtype, fill, device="cpu", pad=1024):

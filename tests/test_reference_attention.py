@@ -344,6 +344,27 @@ def test_tolerance_rule_accepts_lp_and_rejects_worse():
         assert_close_to_ref(ref, ref, nan, name="out")
 
 
+def test_tolerance_allowance_is_per_element():
+    """allowance widens the bound only where it is given (the D-rounding term of the gradients)."""
+    q, k, v, sink = make_qkv(24, 4, 2, 8)
+    cu = random_cu(24)
+    qb, kb, vb = (t.to(torch.bfloat16) for t in (q, k, v))
+    ref, _ = attention_ref(qb, kb, vb, sink, cu)
+    ref_lp, _ = attention_ref(qb, kb, vb, sink, cu, upcast=False)
+    lp_err = (ref_lp.double() - ref).abs().max()
+    allow = torch.zeros_like(ref)
+    allow[5, 2, 3] = 0.5
+    bad = ref.clone()
+    bad[5, 2, 3] += 2 * lp_err + 0.49  # within the bound plus the allowance there
+    assert_close_to_ref(bad, ref, ref_lp, name="out", allowance=allow)
+    with pytest.raises(AssertionError, match="exceeds bound"):
+        assert_close_to_ref(bad, ref, ref_lp, name="out")  # not without it
+    other = ref.clone()
+    other[6, 2, 3] += 2.01 * lp_err + 0.1  # the allowance of another element does not help
+    with pytest.raises(AssertionError, match=r"allowance 0 there; worst at index \(6, 2, 3\)"):
+        assert_close_to_ref(other, ref, ref_lp, name="out", allowance=allow)
+
+
 def test_tolerance_nonfinite_reference_entries():
     ref = torch.tensor([[-math.inf, 1.0], [2.0, 3.0]], dtype=F64)
     out = ref.float()

@@ -16,7 +16,7 @@ from nemo_cp_native.reference.sink_attention import attention_ref, sink_grad_clo
 from nemo_cp_native.reference.tolerance import assert_close_to_ref, assert_close_to_ref_ulp
 from nemo_cp_native.testing_attention import doc_lengths, make_attention_case
 
-from _attn_checks import check_dsink
+from _attn_checks import check_dsink, d_rounding_allowance
 
 pytestmark = pytest.mark.cuda
 
@@ -83,8 +83,10 @@ def _check_case(lengths, hq, hkv, d, window, dtype, seed, sink=True):
 
     assert_close_to_ref(out, ref, lp, name="out")
     assert_close_to_ref_ulp(lse, ref_lse, lp_lse.double(), name="lse", magnitude_floor=1.0)
-    for name, a, r, l in zip(("dq", "dk", "dv"), grads, ref_grads, lp_grads):
-        assert_close_to_ref(a, r, l, name=name)
+    allow = d_rounding_allowance(lambda *t: attention_ref(*t[:3], t[3] if sink else None, cu, window=window), leaves,
+                                 dout, dtype)  # fmt: skip
+    for name, a, r, l, al in zip(("dq", "dk", "dv"), grads, ref_grads, lp_grads, allow):
+        assert_close_to_ref(a, r, l, name=name, allowance=al)
     if sink:
         # A low-precision run computes D_i = <dO_i, O_i> from its rounded output (spec 5.7), as
         # every flash kernel does; autograd through the low-precision reference would not.
@@ -217,8 +219,9 @@ def test_cuda_atomic_dq_backward_matches_deterministic(d, window, ncp_seed, monk
     lp_leaves = [t.detach().requires_grad_() for t in args]
     lp, _ = attention_ref(*lp_leaves, c["cu_seqlens"], window=window, upcast=False)
     (lp_dq,) = _grads(lp, lp_leaves[:1], dout)
+    allow = d_rounding_allowance(lambda *t: attention_ref(*t, c["cu_seqlens"], window=window), args, dout, torch.bfloat16)
     for name, dq in (("dq atomic run 1", a1[0]), ("dq atomic run 2", a2[0]), ("dq deterministic", dt[0])):
-        assert_close_to_ref(dq, ref_dq, lp_dq, name=name)
+        assert_close_to_ref(dq, ref_dq, lp_dq, name=name, allowance=allow[0])
 
 
 @pytest.mark.parametrize("stages", ["2", "3"])
@@ -271,10 +274,12 @@ def test_cuda_any_softmax_scale(scale, ncp_seed, fwd_kernel, monkeypatch):
         lp_leaves = [t.detach().requires_grad_() for t in leaves]
         lp, lp_lse = attention_ref(*lp_leaves, c["cu_seqlens"], window=window, scale=scale, upcast=False)
         lp_grads = _grads(lp, lp_leaves[:3], dout)
+        allow = d_rounding_allowance(lambda *t: attention_ref(*t, c["cu_seqlens"], window=window, scale=scale), leaves,
+                                     dout, out.dtype)  # fmt: skip
         assert_close_to_ref(out, ref, lp, name=f"out (scale {scale}, window {window})")
         assert_close_to_ref_ulp(lse, ref_lse, lp_lse.double(), name="lse", magnitude_floor=1.0)
-        for name, a, r, lo in zip(("dq", "dk", "dv"), grads, ref_grads, lp_grads):
-            assert_close_to_ref(a, r, lo, name=f"{name} (scale {scale}, window {window})")
+        for name, a, r, lo, al in zip(("dq", "dk", "dv"), grads, ref_grads, lp_grads, allow):
+            assert_close_to_ref(a, r, lo, name=f"{name} (scale {scale}, window {window})", allowance=al)
 
 
 def test_cuda_matches_cpu_c_path(ncp_seed):
@@ -308,11 +313,14 @@ def test_cuda_simulated_cp_matches_whole_sequence(cp, window, chunk, ncp_seed, f
     lp = rcp.cp_attention_ref(c["q"], c["k"], c["v"], c["sink"], cu, dout, d, cp, window=window, upcast=False)
     loc = [[rcp.local_rows(t, d, r) for r in range(cp)] for t in (c["q"], c["k"], c["v"], dout)]
     outs, grads = flint.simulate_cp_attention(plans, loc[0], loc[1], loc[2], c["sink"], window, 128**-0.5, loc[3])
+    allow = d_rounding_allowance(lambda *t: attention_ref(*t, cu.to(DEV), window=window),
+                                 [c[n] for n in ("q", "k", "v", "sink")], dout, torch.bfloat16)  # fmt: skip
     for r in range(cp):
         rr, rl = ref.ranks[r], lp.ranks[r]
         assert_close_to_ref(outs[r], rr.out, rl.out, name=f"rank {r} out")
         for i, name in enumerate(("dq", "dk", "dv")):
-            assert_close_to_ref(grads[r][i], getattr(rr, name), getattr(rl, name), name=f"rank {r} {name}")
+            al = rcp.local_rows(allow[i], d, r)
+            assert_close_to_ref(grads[r][i], getattr(rr, name), getattr(rl, name), name=f"rank {r} {name}", allowance=al)
     total = sum(gr[3].double() for gr in grads)
     lp_dsink = sink_grad_closed_form(lp.out, dout, lp.lse, c["sink"])
     whole_out = torch.zeros_like(ref.out, dtype=outs[0].dtype)  # the kernels' outputs in global order

@@ -19,17 +19,19 @@
  * items, so the producer loads item n + 1 while the consumers finish item n. The epilogue stages O
  * through the warpgroup's own Q rows in shared memory for 16-byte stores, then frees the Q buffer.
  *
- * Schedules (template PINGPONG; NCP_SM90_FWD_SCHED=serial|pingpong, otherwise serial for
- * contiguous full-causal masks and ping-pong for windows and the positions mode):
+ * The producer waits for a K slot and a V slot separately: consumers free K(it) as soon as S(it)
+ * is done and V(it) after P(it) V(it), so the next K load starts half an iteration earlier.
+ *
+ * Schedules (template PINGPONG; NCP_SM90_FWD_SCHED=serial|pingpong, default ping-pong):
  *   serial: each warpgroup waits for S, runs the softmax, then waits for P V; the two consumer
  *     warpgroups overlap each other only as far as they drift apart.
  *   ping-pong: the consumer warpgroups take turns issuing MMAs (named barriers), and inside a
  *     warpgroup S(it) and P(it-1) V(it-1) are issued together so the softmax of S(it) overlaps
  *     P(it-1) V(it-1); P is packed into fragments only after that MMA finished (ptxas: no wgmma
  *     serialization, no spills).
- * H200, bf16, Hq/Hkv/D 32/4/128 (commit 336b2cb, first row of each case): 521 TFLOP/s on causal 8k
- * documents, 547 on causal 32k (ping-pong there: 493), 269 at window 513 on 8k documents.
- * Measured: BENCHMARKS.md section 1.
+ * Softmax: full tiles keep raw scores, scale the row max once and fold the scale into the
+ * exponent's FFMA; partial tiles are scaled, then masked.
+ * Measured on the H200: BENCHMARKS.md section 1.
  * Test: pytest tests/test_sink_attention_cuda.py   Bench: python benchmarks/bench_sink_attention.py
  */
 #include <stdlib.h>
@@ -446,20 +448,19 @@ ncp_status launch_mode(const ncp_sink_attn_params &p, bool persistent, bool fold
                               : launch<T, D, 128, PINGPONG, STAGES>(p, persistent, fold, s);
 }
 
-/* Schedule: NCP_SM90_FWD_SCHED=serial|pingpong (read on every call); otherwise serial for
- * contiguous full-causal masks (measured faster on the H200: 529-531 vs 491-492 TFLOP/s on 32k
- * documents, about even on 8k) and ping-pong for windows and the positions (CP) mode (faster at
- * window 128, even at 513). Grid: NCP_SM90_FWD_PERSIST=1|0; otherwise persistent for windows and
- * the positions mode, where items are a few kv tiles long, and one CTA per item for full-causal
- * masks (NCP_SM90_FWD_GRID=n caps a persistent grid at n CTAs, for tests). K/V ring depth:
- * NCP_SM90_FWD_STAGES=3|2, default 2 (at D = 128 a third stage leaves room for one Q buffer only).
- * NCP_SM90_FWD_FOLD=0: scale every tile's scores before the softmax (the fold's A/B baseline).
- * BENCHMARKS.md section 1. */
+/* Schedule: NCP_SM90_FWD_SCHED=serial|pingpong (read on every call), default ping-pong. Until the
+ * K and V slots were freed separately, serial was faster on full-causal masks (529-531 vs 491-492
+ * TFLOP/s on 32k documents at 336b2cb); with them ping-pong leads on causal 8k documents (555 vs
+ * 498 at 991bc7b) and on windows. Grid: NCP_SM90_FWD_PERSIST=1|0; otherwise persistent for
+ * windows and the positions mode, where items are a few kv tiles long, and one CTA per item for
+ * full-causal masks (NCP_SM90_FWD_GRID=n caps a persistent grid at n CTAs, for tests). K/V ring
+ * depth: NCP_SM90_FWD_STAGES=3|2, default 2 (at D = 128 a third stage leaves room for one Q buffer
+ * only). NCP_SM90_FWD_FOLD=0: scale every tile's scores before the softmax (the fold's A/B
+ * baseline). BENCHMARKS.md section 1. */
 template <typename T, int D> ncp_status launch_any(const ncp_sink_attn_params &p, cudaStream_t s) {
     const char *e = getenv("NCP_SM90_FWD_SCHED");
-    bool pingpong = p.q_pos != nullptr || p.window > 0;
+    bool pingpong = true;
     if (e != nullptr && strcmp(e, "serial") == 0) pingpong = false;
-    if (e != nullptr && strcmp(e, "pingpong") == 0) pingpong = true;
     const char *ep = getenv("NCP_SM90_FWD_PERSIST");
     bool persistent = p.q_pos != nullptr || p.window > 0;
     if (ep != nullptr && strcmp(ep, "0") == 0) persistent = false;
