@@ -236,22 +236,31 @@ __global__ void __launch_bounds__(kThreads, 1)
                         if (kp < qlo[e >> 1] || kp > qpos[e >> 1]) sc[4 * j + e] = -INFINITY;
                     }
             }
+            /* Row max and row sum over kAcc independent partials each (short dependent chains:
+             * ncu put fixed-latency dependencies first among the stalls with one long chain). */
+            constexpr int kAcc = 4;
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
-                float mx = -INFINITY;
+                float mp[kAcc];
 #pragma unroll
-                for (int j = 0; j < BN / 8; ++j) mx = fmaxf(mx, fmaxf(sc[4 * j + 2 * r], sc[4 * j + 2 * r + 1]));
+                for (int a = 0; a < kAcc; ++a) mp[a] = -INFINITY;
+#pragma unroll
+                for (int j = 0; j < BN / 8; ++j)
+                    mp[j % kAcc] = fmaxf(mp[j % kAcc], fmaxf(sc[4 * j + 2 * r], sc[4 * j + 2 * r + 1]));
+                float mx = fmaxf(fmaxf(mp[0], mp[1]), fmaxf(mp[2], mp[3]));
                 mx = fmaxf(m[r], quad_max(mx) * s_mul); /* s_mul > 0: the max of the scaled scores */
                 const float m_use = mx == -INFINITY ? 0.f : mx;
                 corr[r] = ex2(m[r] - m_use);
-                float sum = 0.f;
+                float sp[kAcc];
+#pragma unroll
+                for (int a = 0; a < kAcc; ++a) sp[a] = 0.f;
 #pragma unroll
                 for (int j = 0; j < BN / 8; ++j) {
                     sc[4 * j + 2 * r] = ex2(fmaf(sc[4 * j + 2 * r], s_mul, -m_use));
                     sc[4 * j + 2 * r + 1] = ex2(fmaf(sc[4 * j + 2 * r + 1], s_mul, -m_use));
-                    sum += sc[4 * j + 2 * r] + sc[4 * j + 2 * r + 1];
+                    sp[j % kAcc] += sc[4 * j + 2 * r] + sc[4 * j + 2 * r + 1];
                 }
-                l[r] = l[r] * corr[r] + sum;
+                l[r] = l[r] * corr[r] + ((sp[0] + sp[1]) + (sp[2] + sp[3]));
                 m[r] = mx;
             }
         };
