@@ -84,7 +84,7 @@ def _heat(seconds: float, fn) -> None:
         torch.cuda.synchronize()
 
 
-def bench_case(name, spec, *, flex: bool, reps: int, heat: float = 0.0) -> list[dict]:
+def bench_case(name, spec, *, flex: bool, reps: int, heat: float = 0.0, only: frozenset = frozenset()) -> list[dict]:
     total, doc_len, hq, hkv, d, window = spec
     lengths = doc_lengths(total, f"equal:{doc_len}")
     g = torch.Generator().manual_seed(1234)
@@ -117,6 +117,10 @@ def bench_case(name, spec, *, flex: bool, reps: int, heat: float = 0.0) -> list[
         impls.append(("ncp-fwd-per-item", leaves[3], {"NCP_SM90_FWD_PERSIST": "0"}, "sm90 fwd, one CTA per work item"))
         impls.append(("ncp-fwd-3stages", leaves[3], {"NCP_SM90_FWD_STAGES": "3"}, "sm90 fwd, 3-stage K/V ring"))
         impls.append(("ncp-fwd-nofold", leaves[3], {"NCP_SM90_FWD_FOLD": "0"}, "sm90 fwd, scale not folded into exp"))
+        impls.append(("ncp-fwd-nocarry", leaves[3], {"NCP_SM90_FWD_CARRY": "0"},
+                      "sm90 fwd, an item's last P V not carried into the next item's first turn"))
+        impls.append(("ncp-fwd-thread-store", leaves[3], {"NCP_SM90_FWD_OSTORE": "0"},
+                      "sm90 fwd, O copied out by the consumer threads (no TMA store)"))
     if _C.sink_attn_bwd_variant() == 4:
         impls.append(("ncp-sm90-dq-red", leaves[3], {"NCP_SM90_DQ": "red"}, "sm90 atomic-dQ bwd, per-thread reductions"))
         impls.append(("ncp-deterministic", leaves[3], {"NCP_DETERMINISTIC": "1"}, "sm90 deterministic bwd (dQ kernel)"))
@@ -124,6 +128,8 @@ def bench_case(name, spec, *, flex: bool, reps: int, heat: float = 0.0) -> list[
                       "sm90 deterministic dK/dV with MMA overlap"))
     if _C.sink_attn_fwd_variant() == 4:
         impls.append(("ncp-portable", leaves[3], {"NCP_FWD_VARIANT": "3", "NCP_BWD_VARIANT": "1"}, "mma.sync fwd+bwd"))
+    if only:  # --impls: keep the named rows
+        impls = [row for row in impls if row[0] in only]
     for impl, s, env, note in impls:
         saved = {key: os.environ.get(key) for key in env}
         os.environ.update(env)
@@ -148,7 +154,7 @@ def bench_case(name, spec, *, flex: bool, reps: int, heat: float = 0.0) -> list[
                     os.environ[key] = val
 
     # ---- FlexAttention + sink correction -------------------------------------------------
-    if flex:
+    if flex and (not only or "flex+sink" in only):
         try:
             run = _flex_runner(lengths, window, hq)
             fq, fk, fv = (_to_bhtd(t).requires_grad_() for t in (q, k, v))
@@ -172,7 +178,7 @@ def bench_case(name, spec, *, flex: bool, reps: int, heat: float = 0.0) -> list[
             rows.append({"case": name, "impl": "flex+sink", "note": f"failed: {type(exc).__name__}: {exc}"[:200]})
 
     # ---- SDPA (no sink), equal documents as a batch --------------------------------------
-    if window == 0 and total % doc_len == 0:
+    if window == 0 and total % doc_len == 0 and (not only or "sdpa(no sink)" in only):
         B = total // doc_len
         sq, sk, sv = (t.detach().reshape(B, doc_len, t.shape[1], d).transpose(1, 2).contiguous().requires_grad_()
                       for t in (q, k, v))  # fmt: skip
@@ -200,6 +206,7 @@ def main(argv=None):
     ap.add_argument("--no-flex", action="store_true")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--heat", type=float, default=0.0, help="seconds of fwd+bwd before timing each implementation")
+    ap.add_argument("--impls", default="", help="comma list of implementation rows (default: all)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available() or not ncp.has_cuda():
@@ -211,7 +218,8 @@ def main(argv=None):
     rows = []
     env = env_record()
     for name, spec in cases.items():
-        new = bench_case(name, spec, flex=not args.no_flex, reps=args.reps, heat=args.heat)
+        only = frozenset(args.impls.split(",")) if args.impls else frozenset()
+        new = bench_case(name, spec, flex=not args.no_flex, reps=args.reps, heat=args.heat, only=only)
         rows += new
         print_table(new, ["case", "impl", "fwd_ms", "fwd_tflops", "fwdbwd_ms", "fwdbwd_tflops", "note"])
         sys.stdout.flush()

@@ -87,13 +87,15 @@ if __name__ == "__main__":
     if "attention" in parts:
         os.environ.update(NCP_SM90_FWD_GRID="3")  # a persistent forward grid walks many items per CTA
         attention()  # default kernels (on sm_90: schedule and grid per mask, atomic-dQ backward)
-        # serial persistent forward on a 3-stage ring, deterministic Hopper backward
-        os.environ.update(NCP_DETERMINISTIC="1", NCP_SM90_FWD_SCHED="serial", NCP_SM90_FWD_PERSIST="1", NCP_SM90_FWD_STAGES="3")
+        # serial persistent forward on a 3-stage ring, O copied out by the consumer threads,
+        # deterministic Hopper backward
+        os.environ.update(NCP_DETERMINISTIC="1", NCP_SM90_FWD_SCHED="serial", NCP_SM90_FWD_PERSIST="1", NCP_SM90_FWD_STAGES="3",
+                          NCP_SM90_FWD_OSTORE="0")  # fmt: skip
         attention()
         os.environ.update(NCP_FWD_VARIANT="3", NCP_BWD_VARIANT="1")  # the portable mma.sync kernels
         attention()
         for key in ("NCP_DETERMINISTIC", "NCP_SM90_FWD_SCHED", "NCP_SM90_FWD_PERSIST", "NCP_SM90_FWD_GRID",
-                    "NCP_SM90_FWD_STAGES", "NCP_FWD_VARIANT", "NCP_BWD_VARIANT"):  # fmt: skip
+                    "NCP_SM90_FWD_STAGES", "NCP_SM90_FWD_OSTORE", "NCP_FWD_VARIANT", "NCP_BWD_VARIANT"):  # fmt: skip
             del os.environ[key]
     if "mimo" in parts:
         mimo()

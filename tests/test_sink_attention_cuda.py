@@ -28,11 +28,12 @@ def fwd_kernel(request, monkeypatch):
     """Runs a test on the default kernels (on an H200: the Hopper forward with its default schedule
     and grid per mask and the atomic-dQ backward), on the serial Hopper forward on a persistent grid
     of 7 CTAs (many work items each) with the deterministic Hopper backward, on the ping-pong Hopper
-    forward with one CTA per work item, a 3-stage K/V ring and the deterministic dK/dV kernel with
-    MMA overlap, and on
-    the portable mma.sync forward and backward (switches are read at each call)."""
+    forward with one CTA per work item, a 3-stage K/V ring, O copied out by the consumer threads
+    (not the producer's TMA store) and the deterministic dK/dV kernel with MMA overlap, and on the
+    portable mma.sync forward and backward (switches are read at each call)."""
     for var in ("NCP_FWD_VARIANT", "NCP_BWD_VARIANT", "NCP_SM90_FWD_SCHED", "NCP_SM90_FWD_PERSIST", "NCP_SM90_FWD_GRID",
-                "NCP_SM90_FWD_STAGES", "NCP_SM90_FWD_FOLD", "NCP_SM90_BWD_OVERLAP", "NCP_DETERMINISTIC"):  # fmt: skip
+                "NCP_SM90_FWD_STAGES", "NCP_SM90_FWD_FOLD", "NCP_SM90_FWD_CARRY", "NCP_SM90_FWD_OSTORE",
+                "NCP_SM90_BWD_OVERLAP", "NCP_DETERMINISTIC"):  # fmt: skip
         monkeypatch.delenv(var, raising=False)
     if request.param == "portable":
         monkeypatch.setenv("NCP_FWD_VARIANT", "3")
@@ -46,6 +47,7 @@ def fwd_kernel(request, monkeypatch):
         monkeypatch.setenv("NCP_SM90_FWD_SCHED", "pingpong")
         monkeypatch.setenv("NCP_SM90_FWD_PERSIST", "0")
         monkeypatch.setenv("NCP_SM90_FWD_STAGES", "3")
+        monkeypatch.setenv("NCP_SM90_FWD_OSTORE", "0")
         monkeypatch.setenv("NCP_SM90_BWD_OVERLAP", "1")
         monkeypatch.setenv("NCP_DETERMINISTIC", "1")
     return request.param
@@ -231,10 +233,11 @@ def test_cuda_persistent_forward_matches_one_cta_per_item(stages, sched, d, wind
     """The persistent Hopper forward (grids of 1, 5 and one CTA per SM walking the work items, the
     Q buffers and the K/V ring carried across items) against one CTA per item: the same arithmetic
     per item, so out and lse are bitwise equal (2- and 3-stage rings; at D = 128 the 3-stage ring
-    has a single Q buffer)."""
+    has a single Q buffer). On the grid of 5 also without the cross-item carry of the last P V
+    and with O copied out by the consumer threads instead of the producer's TMA store."""
     if _C.sink_attn_fwd_variant() != 4:
         pytest.skip("needs the Hopper forward (sm_90a build, compute capability 9.0)")
-    for var in ("NCP_FWD_VARIANT", "NCP_SM90_FWD_GRID"):
+    for var in ("NCP_FWD_VARIANT", "NCP_SM90_FWD_GRID", "NCP_SM90_FWD_CARRY", "NCP_SM90_FWD_OSTORE"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("NCP_SM90_FWD_SCHED", sched)
     monkeypatch.setenv("NCP_SM90_FWD_STAGES", stages)
@@ -253,6 +256,92 @@ def test_cuda_persistent_forward_matches_one_cta_per_item(stages, sched, d, wind
         out, lse = ncp.sink_attention(*args, window=window, return_lse=True)
         assert torch.equal(out, want), f"out differs on a persistent grid of {grid or 'one CTA per SM'}"
         assert torch.equal(lse, want_lse), f"lse differs on a persistent grid of {grid or 'one CTA per SM'}"
+    monkeypatch.setenv("NCP_SM90_FWD_GRID", "5")
+    for carry, ostore in (("0", "1"), ("1", "0"), ("0", "0")):
+        monkeypatch.setenv("NCP_SM90_FWD_CARRY", carry)
+        monkeypatch.setenv("NCP_SM90_FWD_OSTORE", ostore)
+        out, lse = ncp.sink_attention(*args, window=window, return_lse=True)
+        assert torch.equal(out, want) and torch.equal(lse, want_lse), f"differs with carry={carry} ostore={ostore}"
+
+
+def _tile_schedule(seen: torch.Tensor, bm: int, bn: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """CSR schedule of the positions mode, by brute force: (q tile, kv tile) listed iff it holds a
+    visible pair, entry = kv tile * 2 + full (complete tile, every pair visible)."""
+    L, Lkv = seen.shape
+    nq, nk = -(-L // bm), -(-Lkv // bn)
+    padded = torch.zeros(nq * bm, nk * bn, dtype=torch.bool)
+    padded[:L, :Lkv] = seen
+    blocks = padded.reshape(nq, bm, nk, bn)
+    anyv, allv = blocks.any(3).any(1), blocks.all(3).all(1)
+    off, ent = [0], []
+    for t in range(nq):
+        ent += [kt * 2 + int(allv[t, kt]) for kt in range(nk) if anyv[t, kt]]
+        off.append(len(ent))
+    return torch.tensor(off, dtype=torch.int32), torch.tensor(ent, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("sink", [True, False])
+def test_cuda_forward_query_tiles_without_keys(d, sink, ncp_seed, monkeypatch):
+    """Positions mode with whole query tiles that see no key (work items without kv tiles) between
+    ordinary ones: out 0 and lse = sink (or -inf) there, the oracle elsewhere, and every Hopper grid,
+    schedule and epilogue gives the same bits (an empty item right after one whose last P V is
+    still pending is the case the persistent ping-pong forward must order correctly)."""
+    from nemo_cp_native.attention import AttnMask, attn_forward
+    from nemo_cp_native.reference.sink_attention import attention_positions_ref
+
+    for var in ("NCP_FWD_VARIANT", "NCP_SM90_FWD_SCHED", "NCP_SM90_FWD_PERSIST", "NCP_SM90_FWD_GRID",
+                "NCP_SM90_FWD_STAGES", "NCP_SM90_FWD_CARRY", "NCP_SM90_FWD_OSTORE"):  # fmt: skip
+        monkeypatch.delenv(var, raising=False)
+    g = torch.Generator().manual_seed(ncp_seed)
+    tq, tk, hq, hkv = 128 * 6 - 37, 500, 4, 2
+    k_pos = torch.randint(0, 3 * tk, (tk,), generator=g).sort().values.to(torch.int32)
+    q_pos = torch.randint(0, 3 * tk, (tq,), generator=g).to(torch.int32)
+    width = torch.randint(0, 3 * tk, (tq,), generator=g)
+    q_lo = (q_pos.long() - width).to(torch.int32)
+    for t in (1, 2, 4):  # tiles 1, 2 and 4 see nothing
+        q_lo[128 * t : 128 * (t + 1)] = torch.iinfo(torch.int32).max
+    seen = (k_pos[None, :] >= q_lo[:, None]) & (k_pos[None, :] <= q_pos[:, None])
+    off, ent = _tile_schedule(seen, 128, 64)
+    n_kv = (off[1:] - off[:-1]).tolist()
+    assert n_kv[1] == n_kv[2] == n_kv[4] == 0 and min(n_kv[0], n_kv[3], n_kv[5]) > 0, n_kv
+    mask = AttnMask(q_pos=q_pos.to(DEV), q_lo=q_lo.to(DEV), k_pos=k_pos.to(DEV), fwd_off=off.to(DEV),
+                    fwd_ent=ent.to(DEV))  # fmt: skip
+    c = make_attention_case([tq], hq, hkv, d, device=DEV, generator=g)
+    kc = make_attention_case([tk], hkv, hkv, d, device=DEV, generator=g)
+    q, k, v, s = c["q"], kc["k"], kc["v"], (c["sink"] if sink else None)
+    scale = d**-0.5
+    out, lse = attn_forward(q, k, v, s, mask, scale)
+    empty = ~seen.any(1)
+    assert bool(empty.any())
+    assert not out[empty.to(DEV)].any(), "a row that sees nothing must output exactly 0"
+    want = s[:, None].expand(-1, tq) if sink else torch.full((hq, tq), float("-inf"), device=DEV)
+    assert torch.equal(lse[:, empty.to(DEV)], want[:, empty.to(DEV)])
+    pos = (mask.q_pos, mask.q_lo, mask.k_pos)
+    ref, ref_lse = attention_positions_ref(q.double(), k.double(), v.double(), None if s is None else s.double(), *pos,
+                                           scale=scale)  # fmt: skip
+    lp, lp_lse = attention_positions_ref(q, k, v, s, *pos, scale=scale, upcast=False)
+    assert_close_to_ref(out, ref, lp, name="out")
+    assert_close_to_ref_ulp(lse, ref_lse, lp_lse.double(), name="lse", magnitude_floor=1.0)
+    if _C.sink_attn_fwd_variant() != 4:
+        return
+    variants = [
+        {"NCP_SM90_FWD_PERSIST": "0"},
+        {"NCP_SM90_FWD_GRID": "2"},
+        {"NCP_SM90_FWD_GRID": "1"},
+        {"NCP_SM90_FWD_GRID": "2", "NCP_SM90_FWD_CARRY": "0"},
+        {"NCP_SM90_FWD_GRID": "3", "NCP_SM90_FWD_OSTORE": "0"},
+        {"NCP_SM90_FWD_GRID": "2", "NCP_SM90_FWD_SCHED": "serial"},
+        {"NCP_SM90_FWD_GRID": "2", "NCP_SM90_FWD_STAGES": "3"},
+    ]
+    for env in variants:
+        for var in ("NCP_SM90_FWD_PERSIST", "NCP_SM90_FWD_GRID", "NCP_SM90_FWD_CARRY", "NCP_SM90_FWD_OSTORE",
+                    "NCP_SM90_FWD_SCHED", "NCP_SM90_FWD_STAGES"):  # fmt: skip
+            monkeypatch.delenv(var, raising=False)
+        for key, val in env.items():
+            monkeypatch.setenv(key, val)
+        o2, l2 = attn_forward(q, k, v, s, mask, scale)
+        assert torch.equal(o2, out) and torch.equal(l2, lse), f"differs with {env}"
 
 
 @pytest.mark.parametrize("scale", [0.3, -0.125, 0.0])

@@ -49,6 +49,10 @@ constexpr int HBM = 128;          /* query rows per CTA: two consumer warpgroups
 constexpr int kThreads = 384;     /* producer + 2 consumer warpgroups */
 constexpr int kPP = 3;            /* named barriers kPP, kPP + 1: ping-pong turns (1, 2: epilogue) */
 constexpr int kSmemLimit = 232448; /* opt-in dynamic shared memory per block on sm_90 */
+/* kernel flags */
+constexpr int kFlagFold = 1;   /* scale folded into the exponent's FFMA on full tiles (positive scale) */
+constexpr int kFlagCarry = 2;  /* ping-pong: an item's last P V joins the next item's first turn */
+constexpr int kFlagOStore = 4; /* O stored by the producer with TMA from the staged Q buffer */
 
 /* STAGES-deep K/V ring; two Q buffers (item n + 1 loads during item n) when they fit, else one. */
 template <int D, int BN, int STAGES> struct fwd_layout {
@@ -66,7 +70,8 @@ template <int D, int BN, int STAGES> struct fwd_layout {
 template <typename T, int D, int BN, bool PINGPONG, int kStages>
 __global__ void __launch_bounds__(kThreads, 1)
     sink_attn_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
-                              const __grid_constant__ CUtensorMap tm_v, const ncp_sink_attn_params p, int fold) {
+                              const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_o,
+                              const ncp_sink_attn_params p, int flags) {
 #ifdef NCP_SM90_DEVICE
     using L = fwd_layout<D, BN, kStages>;
     constexpr int NQ = L::n_q;
@@ -82,6 +87,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     auto bar_ke = [&](int s) { return bars + 8u * (4 + 2 * kStages + s); };
     auto bar_ve = [&](int s) { return bars + 8u * (4 + 3 * kStages + s); };
 
+    const bool fold = flags & kFlagFold;
+    const bool ostore = flags & kFlagOStore;
+    const bool carry = PINGPONG && NQ == 2 && (flags & kFlagCarry); /* one Q buffer: the next Q waits for the epilogue */
     const int tid = threadIdx.x, wg = tid / 128, lane = tid & 31;
     const bool positions = p.q_pos != nullptr;
     /* Work items t = (q tile, head), heads fastest and the heavy (late) q tiles first; CTA b takes
@@ -142,11 +150,29 @@ __global__ void __launch_bounds__(kThreads, 1)
             sm90::tma_prefetch_desc(&tm_q);
             sm90::tma_prefetch_desc(&tm_k);
             sm90::tma_prefetch_desc(&tm_v);
+            if (ostore) sm90::tma_prefetch_desc(&tm_o);
+            /* With ostore the consumers stage O in the item's Q buffer and arrive on q_empty; the
+             * producer stores it with TMA (rows past Tq are not written) and reuses the buffer once
+             * the store has read it. */
+            int st_h0 = 0, st_q00 = 0, st_h1 = 0, st_q01 = 0; /* the item whose O Q buffer 0 / 1 stages */
+            auto store_o = [&](int qb) {
+                sm90::tma_store_tile<D>(&tm_o, HBM, qb ? st_h1 : st_h0, qb ? st_q01 : st_q00, q_buf(qb));
+                sm90::bulk_commit();
+            };
             int kv = 0; /* kv tiles loaded so far: ring slot kv % kStages */
-            for (int t = blockIdx.x, n = 0; t < n_items; t += gridDim.x, ++n) {
+            int n = 0;
+            for (int t = blockIdx.x; t < n_items; t += gridDim.x, ++n) {
                 const item w = item_at(t);
                 const int qb = n % NQ;
-                if (n >= NQ) sm90::mbar_wait(bar_qe(qb), ((n / NQ) & 1) ^ 1);
+                if (n >= NQ) {
+                    sm90::mbar_wait(bar_qe(qb), ((n / NQ) & 1) ^ 1);
+                    if (ostore) {
+                        store_o(qb);
+                        sm90::bulk_wait_read<0>(); /* the store has read the buffer */
+                    }
+                }
+                if (qb) st_h1 = w.h, st_q01 = w.q0;
+                else st_h0 = w.h, st_q00 = w.q0;
                 sm90::mbar_expect_tx(bar_q(qb), HBM * D * 2);
                 sm90::tma_load_tile<D>(q_buf(qb), &tm_q, HBM, w.h, w.q0, bar_q(qb));
                 const int g_kv = w.h / group;
@@ -165,6 +191,13 @@ __global__ void __launch_bounds__(kThreads, 1)
                     sm90::mbar_expect_tx(bar_v(s), L::kv_bytes);
                     sm90::tma_load_tile<D>(sV, &tm_v, BN, g_kv, kt * BN, bar_v(s));
                 }
+            }
+            if (ostore) { /* the last items' outputs */
+                for (int j = n > NQ ? n - NQ : 0; j < n; ++j) {
+                    sm90::mbar_wait(bar_qe(j % NQ), (j / NQ) & 1);
+                    store_o(j % NQ);
+                }
+                sm90::bulk_wait<0>();
             }
         }
         return;
@@ -186,194 +219,145 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (PINGPONG && cw == 1) sm90::named_arrive(kPP, 256);
 
     int kv0 = 0; /* kv tiles consumed before this item */
-    for (int t = blockIdx.x, n = 0; t < n_items; t += gridDim.x, ++n) {
-        const item w = item_at(t);
-        const int h = w.h, q0 = w.q0, n_it = w.n_it, qb = n % NQ;
-        const uint32_t sQ = q_buf(qb);
-        int qpos[2], qlo[2];
-#pragma unroll
-        for (int r = 0; r < 2; ++r) row_bounds(p, q0 + row0 + 8 * r, qpos[r], qlo[r]);
-        const float sink_log2 = has_sink ? __ldg(reinterpret_cast<const float *>(p.sink) + h) * kLog2e : -INFINITY;
-        float m[2] = {sink_log2, sink_log2};
-        float l[2];
-        l[0] = l[1] = (has_sink && tq == 0) ? 1.f : 0.f; /* counted once by the final quad sum */
-        float o[D / 2];
-#pragma unroll
-        for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+    item w;
+    int qpos[2], qlo[2];
+    float m[2], l[2], corr[2], o[D / 2], sc[BN / 2];
+    uint32_t pf[BN / 16][4];
+    const uint32_t cw_off = cw * 64 * 128; /* this warpgroup's 64 rows in every column block */
+    /* The previous item while its last P V is pending (ping-pong): with `carry` that MMA is issued
+     * in the next item's first turn, with the next S, and the previous epilogue runs after the next
+     * item's first softmax. */
+    bool pend = false, pend_first = false;
+    int pend_kv = 0, pend_h = 0, pend_q0 = 0, pend_qb = 0;
+    float pend_m[2], pend_l[2];
 
-        const uint32_t sQw = sQ + cw * 64 * 128; /* this warpgroup's 64 rows in every column block */
-        auto slot = [&](int it) { return (kv0 + it) % kStages; };
-        auto phase = [&](int it) { return (uint32_t)(((kv0 + it) / kStages) & 1); };
+    auto slot = [&](int it) { return (kv0 + it) % kStages; };
+    auto phase = [&](int it) { return (uint32_t)(((kv0 + it) / kStages) & 1); };
 
-        /* S = Q K^T (64 x BN per warpgroup), issued asynchronously */
-        auto issue_s = [&](float *sc, int s) {
-            sm90::gemm_ss<T, BN, D>(sc, sQw, HBM * 128, sK0 + s * L::kv_bytes, BN * 128);
-        };
-        /* O += P V, issued asynchronously (P stays live in registers until the wait) */
-        auto issue_pv = [&](uint32_t (*pf)[4], int s) {
-            sm90::gemm_rs<T, D, BN>(o, pf, sV0 + s * L::kv_bytes, BN * 128);
-        };
-        /* Scale into the log2 domain, mask a partial tile, online softmax: sc becomes the
-         * unnormalized probabilities, corr the factor O must be rescaled by before it takes them. */
-        auto softmax = [&](float *sc, int it, float *corr) {
-            bool full;
-            const int kt = tile_at(w, it, full);
-            /* Full tiles (with a positive scale) keep the raw scores: the row max is scaled once and
-             * the scale goes into the exponent's FFMA. Partial tiles are scaled first, then masked. */
-            float s_mul = scale_log2;
-            if (!full || !scale_pos) {
+    /* S = Q K^T (64 x BN per warpgroup), issued asynchronously */
+    auto issue_s = [&](uint32_t sQ, int s) {
+        sm90::gemm_ss<T, BN, D>(sc, sQ + cw_off, HBM * 128, sK0 + s * L::kv_bytes, BN * 128);
+    };
+    /* O (+)= P V, issued asynchronously (P stays live in registers until the wait); keep = 0 for
+     * an item's first tile overwrites O. */
+    auto issue_pv = [&](int s, int keep) { sm90::gemm_rs<T, D, BN>(o, pf, sV0 + s * L::kv_bytes, BN * 128, keep); };
+    /* Scale into the log2 domain, mask a partial tile, online softmax: sc becomes the
+     * unnormalized probabilities, corr the factor O must be rescaled by before it takes them. */
+    auto softmax = [&](int it) {
+        bool full;
+        const int kt = tile_at(w, it, full);
+        /* Full tiles (with a positive scale) keep the raw scores: the row max is scaled once and
+         * the scale goes into the exponent's FFMA. Partial tiles are scaled first, then masked. */
+        float s_mul = scale_log2;
+        if (!full || !scale_pos) {
 #pragma unroll
-                for (int i = 0; i < BN / 2; ++i) sc[i] *= scale_log2;
-                s_mul = 1.f;
-            }
-            if (!full) { /* one branch per tile: full tiles keep a single straight-line block */
+            for (int i = 0; i < BN / 2; ++i) sc[i] *= scale_log2;
+            s_mul = 1.f;
+        }
+        if (!full) { /* one branch per tile: full tiles keep a single straight-line block */
+            if (positions) {
 #pragma unroll
                 for (int j = 0; j < BN / 8; ++j)
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
                         const int kj = kt * BN + 8 * j + 2 * tq + (e & 1);
-                        const int kp = kj >= p.Tk ? kNoKey : (positions ? __ldg(p.k_pos + kj) : kj);
+                        const int kp = kj >= p.Tk ? kNoKey : __ldg(p.k_pos + kj);
                         if (kp < qlo[e >> 1] || kp > qpos[e >> 1]) sc[4 * j + e] = -INFINITY;
                     }
-            }
-            /* Row max and row sum over kAcc independent partials each (short dependent chains:
-             * ncu put fixed-latency dependencies first among the stalls with one long chain). */
-            constexpr int kAcc = 4;
+            } else {
+                /* Contiguous keys: the row bounds relative to this thread's first column, so each
+                 * element is two compares against a constant column and a select. */
+                const int cb = kt * BN + 2 * tq;
+                int lo[2], hi[2];
 #pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                float mp[kAcc];
-#pragma unroll
-                for (int a = 0; a < kAcc; ++a) mp[a] = -INFINITY;
+                for (int r = 0; r < 2; ++r) {
+                    lo[r] = qlo[r] - cb; /* qlo = kNoKey (rows past Tq): no overflow, cb >= 0 */
+                    hi[r] = min(qpos[r], p.Tk - 1) - cb;
+                }
 #pragma unroll
                 for (int j = 0; j < BN / 8; ++j)
-                    mp[j % kAcc] = fmaxf(mp[j % kAcc], fmaxf(sc[4 * j + 2 * r], sc[4 * j + 2 * r + 1]));
-                float mx = fmaxf(fmaxf(mp[0], mp[1]), fmaxf(mp[2], mp[3]));
-                mx = fmaxf(m[r], quad_max(mx) * s_mul); /* s_mul > 0: the max of the scaled scores */
-                const float m_use = mx == -INFINITY ? 0.f : mx;
-                corr[r] = ex2(m[r] - m_use);
-                float sp[kAcc];
 #pragma unroll
-                for (int a = 0; a < kAcc; ++a) sp[a] = 0.f;
-#pragma unroll
-                for (int j = 0; j < BN / 8; ++j) {
-                    sc[4 * j + 2 * r] = ex2(fmaf(sc[4 * j + 2 * r], s_mul, -m_use));
-                    sc[4 * j + 2 * r + 1] = ex2(fmaf(sc[4 * j + 2 * r + 1], s_mul, -m_use));
-                    sp[j % kAcc] += sc[4 * j + 2 * r] + sc[4 * j + 2 * r + 1];
-                }
-                l[r] = l[r] * corr[r] + ((sp[0] + sp[1]) + (sp[2] + sp[3]));
-                m[r] = mx;
+                    for (int e = 0; e < 4; ++e) {
+                        const int c = 8 * j + (e & 1);
+                        if (c < lo[e >> 1] || c > hi[e >> 1]) sc[4 * j + e] = -INFINITY;
+                    }
             }
-        };
-        /* Pins the P fragments: defined before the next wgmma.fence (no non-wgmma instruction
-         * defines a wgmma input inside a pipeline stage, ptxas C7513), untouched until their MMA is
-         * waited. */
-        auto fence_p = [&](uint32_t (*pf)[4]) {
-#pragma unroll
-            for (int kk = 0; kk < BN / 16; ++kk)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(pf[kk][e])::"memory");
-        };
-        /* P into A fragments. */
-        auto to_p = [&](const float *sc, uint32_t (*pf)[4]) {
-#pragma unroll
-            for (int kk = 0; kk < BN / 16; ++kk) {
-                pf[kk][0] = elem<T>::pack(sc[8 * kk + 0], sc[8 * kk + 1]);
-                pf[kk][1] = elem<T>::pack(sc[8 * kk + 2], sc[8 * kk + 3]);
-                pf[kk][2] = elem<T>::pack(sc[8 * kk + 4], sc[8 * kk + 5]);
-                pf[kk][3] = elem<T>::pack(sc[8 * kk + 6], sc[8 * kk + 7]);
-            }
-            fence_p(pf);
-        };
-        auto rescale = [&](const float *corr) {
-#pragma unroll
-            for (int j = 0; j < D / 8; ++j) {
-                o[4 * j + 0] *= corr[0];
-                o[4 * j + 1] *= corr[0];
-                o[4 * j + 2] *= corr[1];
-                o[4 * j + 3] *= corr[1];
-            }
-        };
-        auto release_k = [&](int s) {
-            __syncwarp();
-            if (lane == 0) sm90::mbar_arrive(bar_ke(s));
-        };
-        auto release_v = [&](int s) {
-            __syncwarp();
-            if (lane == 0) sm90::mbar_arrive(bar_ve(s));
-        };
-
-        sm90::mbar_wait(bar_q(qb), (n / NQ) & 1);
-        if (!PINGPONG) { /* serial schedule: each MMA batch waited for at once */
-            for (int it = 0; it < n_it; ++it) {
-                const int s = slot(it);
-                float sc[BN / 2], corr[2];
-                uint32_t pf[BN / 16][4];
-                sm90::mbar_wait(bar_k(s), phase(it));
-                issue_s(sc, s);
-                sm90::wg_wait<0>();
-                sm90::fence_regs(sc, BN / 2);
-                release_k(s);
-                softmax(sc, it, corr);
-                to_p(sc, pf);
-                rescale(corr);
-                sm90::mbar_wait(bar_v(s), phase(it));
-                issue_pv(pf, s);
-                sm90::wg_wait<0>();
-                sm90::fence_regs(o, D / 2);
-                fence_p(pf);
-                release_v(s);
-            }
-        } else if (n_it > 0) {
-            /* Ping-pong: one warpgroup's softmax runs while the other's MMAs occupy the tensor
-             * cores; inside a warpgroup S(it) and P(it-1) V(it-1) are issued together and the
-             * softmax of S(it) overlaps P(it-1) V(it-1). */
-            float sc[BN / 2], corr[2];
-            uint32_t pf[BN / 16][4];
-            sm90::mbar_wait(bar_k(slot(0)), phase(0));
-            sm90::named_sync(pp_me, 256);
-            issue_s(sc, slot(0));
-            sm90::named_arrive(pp_other, 256);
-            sm90::wg_wait<0>();
-            sm90::fence_regs(sc, BN / 2);
-            release_k(slot(0));
-            softmax(sc, 0, corr); /* O is still zero: corr not needed */
-            to_p(sc, pf);
-            for (int it = 1; it < n_it; ++it) {
-                const int s = slot(it), sp = slot(it - 1);
-                sm90::mbar_wait(bar_k(s), phase(it));
-                sm90::named_sync(pp_me, 256);
-                issue_s(sc, s);
-                if (it > 1) rescale(corr); /* O had P(it-2) V(it-2) added; the factor of tile it-1 */
-                sm90::mbar_wait(bar_v(sp), phase(it - 1));
-                issue_pv(pf, sp);
-                sm90::named_arrive(pp_other, 256);
-                sm90::wg_wait<1>(); /* S(it) done; P(it-1) V(it-1) may still run */
-                sm90::fence_regs(sc, BN / 2);
-                release_k(s);
-                softmax(sc, it, corr);
-                sm90::wg_wait<0>();
-                sm90::fence_regs(o, D / 2);
-                fence_p(pf); /* P(it-1) registers stay untouched until its MMA finished */
-                release_v(sp);
-                to_p(sc, pf);
-            }
-            const int sl = slot(n_it - 1);
-            if (n_it > 1) rescale(corr);
-            sm90::mbar_wait(bar_v(sl), phase(n_it - 1));
-            issue_pv(pf, sl);
-            sm90::wg_wait<0>();
-            sm90::fence_regs(o, D / 2);
-            fence_p(pf);
-            release_v(sl);
         }
-        kv0 += n_it;
-
-        /* ---- epilogue: O = acc / l staged through this warpgroup's Q rows, lse ------------- */
-        float inv[2];
+        /* Row max and row sum over kAcc independent partials each (short dependent chains:
+         * ncu put fixed-latency dependencies first among the stalls with one long chain). */
+        constexpr int kAcc = 4;
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            l[r] = quad_sum(l[r]);
-            inv[r] = l[r] > 0.f ? 1.f / l[r] : 0.f;
+            float mp[kAcc];
+#pragma unroll
+            for (int a = 0; a < kAcc; ++a) mp[a] = -INFINITY;
+#pragma unroll
+            for (int j = 0; j < BN / 8; ++j)
+                mp[j % kAcc] = fmaxf(mp[j % kAcc], fmaxf(sc[4 * j + 2 * r], sc[4 * j + 2 * r + 1]));
+            float mx = fmaxf(fmaxf(mp[0], mp[1]), fmaxf(mp[2], mp[3]));
+            mx = fmaxf(m[r], quad_max(mx) * s_mul); /* s_mul > 0: the max of the scaled scores */
+            const float m_use = mx == -INFINITY ? 0.f : mx;
+            corr[r] = ex2(m[r] - m_use);
+            float sp[kAcc];
+#pragma unroll
+            for (int a = 0; a < kAcc; ++a) sp[a] = 0.f;
+#pragma unroll
+            for (int j = 0; j < BN / 8; ++j) {
+                sc[4 * j + 2 * r] = ex2(fmaf(sc[4 * j + 2 * r], s_mul, -m_use));
+                sc[4 * j + 2 * r + 1] = ex2(fmaf(sc[4 * j + 2 * r + 1], s_mul, -m_use));
+                sp[j % kAcc] += sc[4 * j + 2 * r] + sc[4 * j + 2 * r + 1];
+            }
+            l[r] = l[r] * corr[r] + ((sp[0] + sp[1]) + (sp[2] + sp[3]));
+            m[r] = mx;
+        }
+    };
+    /* Pins the P fragments: defined before the next wgmma.fence (no non-wgmma instruction
+     * defines a wgmma input inside a pipeline stage, ptxas C7513), untouched until their MMA is
+     * waited. */
+    auto fence_p = [&]() {
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(pf[kk][e])::"memory");
+    };
+    /* P into A fragments. */
+    auto to_p = [&]() {
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) {
+            pf[kk][0] = elem<T>::pack(sc[8 * kk + 0], sc[8 * kk + 1]);
+            pf[kk][1] = elem<T>::pack(sc[8 * kk + 2], sc[8 * kk + 3]);
+            pf[kk][2] = elem<T>::pack(sc[8 * kk + 4], sc[8 * kk + 5]);
+            pf[kk][3] = elem<T>::pack(sc[8 * kk + 6], sc[8 * kk + 7]);
+        }
+        fence_p();
+    };
+    auto rescale = [&]() {
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j) {
+            o[4 * j + 0] *= corr[0];
+            o[4 * j + 1] *= corr[0];
+            o[4 * j + 2] *= corr[1];
+            o[4 * j + 3] *= corr[1];
+        }
+    };
+    auto release_k = [&](int s) {
+        __syncwarp();
+        if (lane == 0) sm90::mbar_arrive(bar_ke(s));
+    };
+    auto release_v = [&](int s) {
+        __syncwarp();
+        if (lane == 0) sm90::mbar_arrive(bar_ve(s));
+    };
+    /* O = acc / l staged in this warpgroup's rows of Q buffer qb, lse; then either the producer
+     * stores it with TMA (ostore) or this warpgroup copies it out with 16-byte stores. The arrival
+     * on q_empty hands the buffer back. */
+    auto epilogue = [&](const float *mm, const float *ll, int hh, int qq0, int qb) {
+        const uint32_t sQ = q_buf(qb);
+        float lt[2], inv[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            lt[r] = quad_sum(ll[r]);
+            inv[r] = lt[r] > 0.f ? 1.f / lt[r] : 0.f;
         }
 #pragma unroll
         for (int j = 0; j < D / 8; ++j)
@@ -386,28 +370,148 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (tq == 0) {
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
-                const int i = q0 + row0 + 8 * r;
-                if (i < p.Tq) p.lse[(int64_t)h * p.Tq + i] = l[r] > 0.f ? (m[r] + __log2f(l[r])) * kLn2 : -INFINITY;
+                const int i = qq0 + row0 + 8 * r;
+                if (i < p.Tq) p.lse[(int64_t)hh * p.Tq + i] = lt[r] > 0.f ? (mm[r] + __log2f(lt[r])) * kLn2 : -INFINITY;
             }
         }
-        sm90::named_sync(1 + cw, 128);
-        T *oh = reinterpret_cast<T *>(p.out) + (int64_t)h * p.o_sh;
-        constexpr int kChunks = D / 8;
-        for (int i = tid & 127; i < 64 * kChunks; i += 128) {
-            const int row = 64 * cw + i / kChunks, chunk = i % kChunks, q = q0 + row;
-            if (q >= p.Tq) continue;
-            uint4 v;
-            asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];\n"
-                         : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                         : "r"(sQ + sm90::sw128_offset(HBM, row, chunk * 8)));
-            *reinterpret_cast<uint4 *>(oh + (int64_t)q * p.o_st + chunk * 8) = v;
+        if (!ostore) {
+            sm90::named_sync(1 + cw, 128);
+            T *oh = reinterpret_cast<T *>(p.out) + (int64_t)hh * p.o_sh;
+            constexpr int kChunks = D / 8;
+            for (int i = tid & 127; i < 64 * kChunks; i += 128) {
+                const int row = 64 * cw + i / kChunks, chunk = i % kChunks, q = qq0 + row;
+                if (q >= p.Tq) continue;
+                uint4 v;
+                asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];\n"
+                             : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                             : "r"(sQ + sm90::sw128_offset(HBM, row, chunk * 8)));
+                *reinterpret_cast<uint4 *>(oh + (int64_t)q * p.o_st + chunk * 8) = v;
+            }
         }
-        /* The Q buffer goes back to the producer (its next TMA write is ordered after these
-         * generic-proxy accesses). */
+        /* Generic-proxy shared accesses ordered before the producer's TMA (the O store, the next
+         * Q load into this buffer). */
         sm90::fence_proxy_async_smem();
         __syncwarp();
         if (lane == 0) sm90::mbar_arrive(bar_qe(qb));
+    };
+    /* The pending P V alone, then the pending item's epilogue (m, l still hold its state). */
+    auto finish_pending = [&]() {
+        const int s = pend_kv % kStages;
+        if (!pend_first) rescale();
+        sm90::mbar_wait(bar_v(s), (uint32_t)((pend_kv / kStages) & 1));
+        issue_pv(s, !pend_first);
+        sm90::wg_wait<0>();
+        sm90::fence_regs(o, D / 2);
+        fence_p();
+        release_v(s);
+        epilogue(m, l, pend_h, pend_q0, pend_qb);
+        pend = false;
+    };
+
+    for (int t = blockIdx.x, n = 0; t < n_items; t += gridDim.x, ++n) {
+        w = item_at(t);
+        const int n_it = w.n_it, qb = n % NQ;
+        const uint32_t sQ = q_buf(qb);
+#pragma unroll
+        for (int r = 0; r < 2; ++r) row_bounds(p, w.q0 + row0 + 8 * r, qpos[r], qlo[r]);
+        const float sink_log2 = has_sink ? __ldg(reinterpret_cast<const float *>(p.sink) + w.h) * kLog2e : -INFINITY;
+        if (pend && n_it == 0) finish_pending(); /* outputs in item order */
+        if (pend) {
+#pragma unroll
+            for (int r = 0; r < 2; ++r) pend_m[r] = m[r], pend_l[r] = l[r];
+        }
+        m[0] = m[1] = sink_log2;
+        l[0] = l[1] = (has_sink && tq == 0) ? 1.f : 0.f; /* counted once by the final quad sum */
+        sm90::mbar_wait(bar_q(qb), (n / NQ) & 1);
+        if (n_it == 0) { /* no visible key: O = 0, lse = the sink's */
+#pragma unroll
+            for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+            epilogue(m, l, w.h, w.q0, qb);
+            continue;
+        }
+        if (!PINGPONG) { /* serial schedule: each MMA batch waited for at once */
+            for (int it = 0; it < n_it; ++it) {
+                const int s = slot(it);
+                sm90::mbar_wait(bar_k(s), phase(it));
+                issue_s(sQ, s);
+                sm90::wg_wait<0>();
+                sm90::fence_regs(sc, BN / 2);
+                release_k(s);
+                softmax(it);
+                to_p();
+                if (it > 0) rescale();
+                sm90::mbar_wait(bar_v(s), phase(it));
+                issue_pv(s, it > 0);
+                sm90::wg_wait<0>();
+                sm90::fence_regs(o, D / 2);
+                fence_p();
+                release_v(s);
+            }
+            epilogue(m, l, w.h, w.q0, qb);
+        } else {
+            /* Ping-pong: one warpgroup's softmax runs while the other's MMAs occupy the tensor
+             * cores; inside a warpgroup S(it) and P(it-1) V(it-1) are issued together and the
+             * softmax of S(it) overlaps P(it-1) V(it-1). The first turn of an item also carries
+             * the previous item's last P V when one is pending. */
+            const int s0 = slot(0);
+            if (pend) { /* the previous item's last P V goes with S(0); both waited in this branch */
+                const int ps = pend_kv % kStages;
+                if (!pend_first) rescale();
+                sm90::mbar_wait(bar_k(s0), phase(0));
+                sm90::named_sync(pp_me, 256);
+                issue_s(sQ, s0);
+                sm90::mbar_wait(bar_v(ps), (uint32_t)((pend_kv / kStages) & 1));
+                issue_pv(ps, !pend_first);
+                sm90::named_arrive(pp_other, 256);
+                sm90::wg_wait<1>(); /* S(0) done */
+                sm90::fence_regs(sc, BN / 2);
+                release_k(s0);
+                softmax(0);
+                sm90::wg_wait<0>();
+                sm90::fence_regs(o, D / 2);
+                fence_p();
+                release_v(ps);
+                epilogue(pend_m, pend_l, pend_h, pend_q0, pend_qb);
+                pend = false;
+            } else {
+                sm90::mbar_wait(bar_k(s0), phase(0));
+                sm90::named_sync(pp_me, 256);
+                issue_s(sQ, s0);
+                sm90::named_arrive(pp_other, 256);
+                sm90::wg_wait<0>();
+                sm90::fence_regs(sc, BN / 2);
+                release_k(s0);
+                softmax(0);
+            }
+            to_p();
+            for (int it = 1; it < n_it; ++it) {
+                const int s = slot(it), sp = slot(it - 1);
+                sm90::mbar_wait(bar_k(s), phase(it));
+                sm90::named_sync(pp_me, 256);
+                issue_s(sQ, s);
+                if (it > 1) rescale(); /* O had P(it-2) V(it-2) added; the factor of tile it-1 */
+                sm90::mbar_wait(bar_v(sp), phase(it - 1));
+                issue_pv(sp, it > 1);
+                sm90::named_arrive(pp_other, 256);
+                sm90::wg_wait<1>(); /* S(it) done; P(it-1) V(it-1) may still run */
+                sm90::fence_regs(sc, BN / 2);
+                release_k(s);
+                softmax(it);
+                sm90::wg_wait<0>();
+                sm90::fence_regs(o, D / 2);
+                fence_p(); /* P(it-1) registers stay untouched until its MMA finished */
+                release_v(sp);
+                to_p();
+            }
+            pend = true;
+            pend_first = n_it == 1;
+            pend_kv = kv0 + n_it - 1;
+            pend_h = w.h, pend_q0 = w.q0, pend_qb = qb;
+            if (!carry) finish_pending();
+        }
+        kv0 += n_it;
     }
+    if (pend) finish_pending();
     if (PINGPONG && cw == 0) sm90::named_sync(kPP, 256); /* warpgroup 1's last arrival */
 #else
     __trap(); /* never launched: the host only picks this kernel on sm_90a builds and devices */
@@ -429,11 +533,12 @@ int sm_count() {
 /* persistent: one CTA per SM walks the work items (the next item's Q and K/V tiles load during the
  * current item's last tiles and epilogue); otherwise one CTA per item. */
 template <typename T, int D, int BN, bool PINGPONG, int STAGES>
-ncp_status launch(const ncp_sink_attn_params &p, bool persistent, bool fold, cudaStream_t stream) {
-    CUtensorMap tq, tk, tv;
+ncp_status launch(const ncp_sink_attn_params &p, bool persistent, int flags, cudaStream_t stream) {
+    CUtensorMap tq, tk, tv, to;
     NCP_TRY(ncp_sm90_tensor_map(&tq, p.q, p.Tq, p.Hq, D, p.q_st, p.q_sh, HBM));
     NCP_TRY(ncp_sm90_tensor_map(&tk, p.k, p.Tk, p.Hkv, D, p.k_st, p.k_sh, BN));
     NCP_TRY(ncp_sm90_tensor_map(&tv, p.v, p.Tk, p.Hkv, D, p.v_st, p.v_sh, BN));
+    NCP_TRY(ncp_sm90_tensor_map(&to, p.out, p.Tq, p.Hq, D, p.o_st, p.o_sh, HBM));
     constexpr int bytes = fwd_layout<D, BN, STAGES>::bytes;
     auto kernel = sink_attn_fwd_sm90_kernel<T, D, BN, PINGPONG, STAGES>;
     NCP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
@@ -446,15 +551,15 @@ ncp_status launch(const ncp_sink_attn_params &p, bool persistent, bool fold, cud
         if (e != nullptr && atoi(e) > 0) cap = atoi(e);
         if (cap > 0 && grid > cap) grid = cap;
     }
-    kernel<<<(unsigned)grid, kThreads, bytes, stream>>>(tq, tk, tv, p, fold ? 1 : 0);
+    kernel<<<(unsigned)grid, kThreads, bytes, stream>>>(tq, tk, tv, to, p, flags);
     NCP_CUDA_CHECK(cudaGetLastError());
     return NCP_OK;
 }
 
 template <typename T, int D, bool PINGPONG, int STAGES>
-ncp_status launch_mode(const ncp_sink_attn_params &p, bool persistent, bool fold, cudaStream_t s) {
-    return p.q_pos != nullptr ? launch<T, D, NCP_FWD_BN, PINGPONG, STAGES>(p, persistent, fold, s)
-                              : launch<T, D, 128, PINGPONG, STAGES>(p, persistent, fold, s);
+ncp_status launch_mode(const ncp_sink_attn_params &p, bool persistent, int flags, cudaStream_t s) {
+    return p.q_pos != nullptr ? launch<T, D, NCP_FWD_BN, PINGPONG, STAGES>(p, persistent, flags, s)
+                              : launch<T, D, 128, PINGPONG, STAGES>(p, persistent, flags, s);
 }
 
 /* Schedule: NCP_SM90_FWD_SCHED=serial|pingpong (read on every call), default ping-pong. Until the
@@ -474,15 +579,19 @@ template <typename T, int D> ncp_status launch_any(const ncp_sink_attn_params &p
     bool persistent = p.q_pos != nullptr || p.window > 0;
     if (ep != nullptr && strcmp(ep, "0") == 0) persistent = false;
     if (ep != nullptr && strcmp(ep, "1") == 0) persistent = true;
-    const char *ef = getenv("NCP_SM90_FWD_FOLD");
-    const bool fold = !(ef != nullptr && strcmp(ef, "0") == 0);
+    auto off = [](const char *name) {
+        const char *v = getenv(name);
+        return v != nullptr && strcmp(v, "0") == 0;
+    };
+    const int flags = (off("NCP_SM90_FWD_FOLD") ? 0 : kFlagFold) | (off("NCP_SM90_FWD_CARRY") ? 0 : kFlagCarry) |
+                      (off("NCP_SM90_FWD_OSTORE") ? 0 : kFlagOStore);
     const char *es = getenv("NCP_SM90_FWD_STAGES");
     const bool three = es != nullptr && strcmp(es, "3") == 0;
     if (three)
-        return pingpong ? launch_mode<T, D, true, 3>(p, persistent, fold, s)
-                        : launch_mode<T, D, false, 3>(p, persistent, fold, s);
-    return pingpong ? launch_mode<T, D, true, 2>(p, persistent, fold, s)
-                    : launch_mode<T, D, false, 2>(p, persistent, fold, s);
+        return pingpong ? launch_mode<T, D, true, 3>(p, persistent, flags, s)
+                        : launch_mode<T, D, false, 3>(p, persistent, flags, s);
+    return pingpong ? launch_mode<T, D, true, 2>(p, persistent, flags, s)
+                    : launch_mode<T, D, false, 2>(p, persistent, flags, s);
 }
 
 }  // namespace

@@ -79,6 +79,21 @@ __device__ __forceinline__ void tma_load_tile_pair(uint32_t dst_a, const CUtenso
         tma_load_3d(dst_b + cb * rows * 128, map_b, cb * 64, head, row0, bar);
     }
 }
+/* TMA store: box at coordinates (c0, c1, c2) of a 3-D tensor map from shared memory at src, in the
+ * current bulk group (box rows outside the tensor are not written). */
+__device__ __forceinline__ void tma_store_3d(const CUtensorMap *map, int c0, int c1, int c2, uint32_t src) {
+    asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%1, %2, %3}], [%4];\n" ::"l"(
+                     reinterpret_cast<uint64_t>(map)),
+                 "r"(c0), "r"(c1), "r"(c2), "r"(src)
+                 : "memory");
+}
+/* The inverse of tma_load_tile: `rows` tokens x D columns of head `head` from token `row0`, read
+ * from D / 64 swizzled column blocks of `rows` x 128 bytes at src. */
+template <int D>
+__device__ __forceinline__ void tma_store_tile(const CUtensorMap *map, int rows, int head, int row0, uint32_t src) {
+#pragma unroll
+    for (int cb = 0; cb < D / 64; ++cb) tma_store_3d(map, cb * 64, head, row0, src + cb * rows * 128);
+}
 __device__ __forceinline__ void tma_prefetch_desc(const CUtensorMap *map) {
     asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
 }
@@ -100,6 +115,11 @@ __device__ __forceinline__ void bulk_reduce_add_f32(float *dst, uint32_t src, ui
 }
 template <int N> __device__ __forceinline__ void bulk_wait_read() {
     asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+/* Waits until at most N bulk groups of this thread are still running (writes included). */
+template <int N> __device__ __forceinline__ void bulk_wait() {
+    asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }

@@ -4,7 +4,7 @@
  *   gemm_ss: acc[64 x N] (=|+=) A[64 x K] B[N x K]^T, both K-major (K = D: D/64 column blocks,
  *            a_cb / b_cb bytes apart); acc is overwritten (first k-step with scale_d = 0).
  *   gemm_rs: acc[64 x N] += A[64 x K] B[K x N], A as register fragments (K/16 of them), B MN-major
- *            (K rows from b, N = D in 64-wide column blocks lbo bytes apart).
+ *            (K rows from b, N = D in 64-wide column blocks lbo bytes apart); keep = 0 overwrites.
  * The caller waits (wg_wait) and fences the accumulators before reading them.
  */
 #ifndef NCP_SM90_GEMM_CUH
@@ -34,11 +34,14 @@ __device__ __forceinline__ void rs_steps(float *acc, uint32_t (*a)[4], uint32_t 
     for (int kk = 0; kk < K / 16; ++kk) wgmma<T, N>::template rs<1>(acc, a[kk], desc_mnmajor(b + kk * 16 * 128, lbo), 1);
 }
 
+/* keep = 0: the first k-step overwrites acc (no zeroing of the accumulators beforehand). */
 template <typename T, int N, int K>
-__device__ __forceinline__ void gemm_rs(float *acc, uint32_t (*a)[4], uint32_t b, uint32_t lbo) {
+__device__ __forceinline__ void gemm_rs(float *acc, uint32_t (*a)[4], uint32_t b, uint32_t lbo, int keep = 1) {
     fence_regs(acc, N / 2);
     wg_fence();
-    rs_steps<T, N, K>(acc, a, b, lbo);
+#pragma unroll
+    for (int kk = 0; kk < K / 16; ++kk)
+        wgmma<T, N>::template rs<1>(acc, a[kk], desc_mnmajor(b + kk * 16 * 128, lbo), kk > 0 || keep);
     wg_commit();
 }
 #endif
