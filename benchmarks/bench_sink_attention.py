@@ -117,8 +117,8 @@ def bench_case(name, spec, *, flex: bool, reps: int, heat: float = 0.0, only: fr
         impls.append(("ncp-fwd-per-item", leaves[3], {"NCP_SM90_FWD_PERSIST": "0"}, "sm90 fwd, one CTA per work item"))
         impls.append(("ncp-fwd-3stages", leaves[3], {"NCP_SM90_FWD_STAGES": "3"}, "sm90 fwd, 3-stage K/V ring"))
         impls.append(("ncp-fwd-nofold", leaves[3], {"NCP_SM90_FWD_FOLD": "0"}, "sm90 fwd, scale not folded into exp"))
-        impls.append(("ncp-fwd-nocarry", leaves[3], {"NCP_SM90_FWD_CARRY": "0"},
-                      "sm90 fwd, an item's last P V not carried into the next item's first turn"))
+        impls.append(("ncp-fwd-eager-rescale", leaves[3], {"NCP_SM90_FWD_LAZY": "0"},
+                      "sm90 fwd, O rescaled on every tile"))
         impls.append(("ncp-fwd-thread-store", leaves[3], {"NCP_SM90_FWD_OSTORE": "0"},
                       "sm90 fwd, O copied out by the consumer threads (no TMA store)"))
     if _C.sink_attn_bwd_variant() == 4:

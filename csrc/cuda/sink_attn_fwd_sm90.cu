@@ -17,7 +17,9 @@
  * CTA per SM taking items b, b + grid, ... (NCP_SM90_FWD_PERSIST). On the persistent grid the Q tile
  * is double-buffered and the K/V ring, its mbarrier phases and the ping-pong turns run on across
  * items, so the producer loads item n + 1 while the consumers finish item n. The epilogue stages O
- * through the warpgroup's own Q rows in shared memory for 16-byte stores, then frees the Q buffer.
+ * in the warpgroup's own rows of the item's Q buffer; the producer stores the tile with TMA (rows
+ * past Tq are not written) before it loads a later Q there (NCP_SM90_FWD_OSTORE=0: the consumer
+ * threads copy it out with 16-byte stores instead).
  *
  * The producer waits for a K slot and a V slot separately: consumers free K(it) as soon as S(it)
  * is done and V(it) after P(it) V(it), so the next K load starts half an iteration earlier.
@@ -29,8 +31,10 @@
  *     warpgroup S(it) and P(it-1) V(it-1) are issued together so the softmax of S(it) overlaps
  *     P(it-1) V(it-1); P is packed into fragments only after that MMA finished (ptxas: no wgmma
  *     serialization, no spills).
- * Softmax: full tiles keep raw scores, scale the row max once and fold the scale into the
- * exponent's FFMA; partial tiles are scaled, then masked.
+ * Softmax: a positive scale stays out of the scores (the row max is scaled once and the scale is
+ * folded into the exponent's FFMA); partial tiles are masked with per-row bounds relative to the
+ * thread's columns, testing only the bounds that cut the tile. O is rescaled only in warps where a
+ * row maximum changed (corr is exactly 1 otherwise; NCP_SM90_FWD_LAZY=0 rescales every tile).
  * Measured on the H200: BENCHMARKS.md section 1.
  * Test: pytest tests/test_sink_attention_cuda.py   Bench: python benchmarks/bench_sink_attention.py
  */
@@ -50,9 +54,9 @@ constexpr int kThreads = 384;     /* producer + 2 consumer warpgroups */
 constexpr int kPP = 3;            /* named barriers kPP, kPP + 1: ping-pong turns (1, 2: epilogue) */
 constexpr int kSmemLimit = 232448; /* opt-in dynamic shared memory per block on sm_90 */
 /* kernel flags */
-constexpr int kFlagFold = 1;   /* scale folded into the exponent's FFMA on full tiles (positive scale) */
-constexpr int kFlagCarry = 2;  /* ping-pong: an item's last P V joins the next item's first turn */
-constexpr int kFlagOStore = 4; /* O stored by the producer with TMA from the staged Q buffer */
+constexpr int kFlagFold = 1;   /* a positive scale folded into the exponent's FFMA */
+constexpr int kFlagOStore = 2; /* O stored by the producer with TMA from the staged Q buffer */
+constexpr int kFlagLazy = 4;   /* skip the O rescale of a warp whose row maxima did not change */
 
 /* STAGES-deep K/V ring; two Q buffers (item n + 1 loads during item n) when they fit, else one. */
 template <int D, int BN, int STAGES> struct fwd_layout {
@@ -89,7 +93,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
     const bool fold = flags & kFlagFold;
     const bool ostore = flags & kFlagOStore;
-    const bool carry = PINGPONG && NQ == 2 && (flags & kFlagCarry); /* one Q buffer: the next Q waits for the epilogue */
+    const bool lazy = flags & kFlagLazy;
     const int tid = threadIdx.x, wg = tid / 128, lane = tid & 31;
     const bool positions = p.q_pos != nullptr;
     /* Work items t = (q tile, head), heads fastest and the heavy (late) q tiles first; CTA b takes
@@ -210,7 +214,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int gq = lane >> 2, tq = lane & 3;
     const int row0 = 64 * cw + 16 * warp + gq;    /* tile rows row0 and row0 + 8 */
     const float scale_log2 = (float)p.scale * kLog2e;
-    const bool scale_pos = fold && scale_log2 > 0.f; /* fold the scale into the exponent on full tiles */
+    const bool scale_pos = fold && scale_log2 > 0.f; /* fold the scale into the exponent */
     const bool has_sink = p.sink != nullptr;
     /* Ping-pong turns (named barriers kPP + cw, 256 threads): a warpgroup waits on its own and
      * arrives on the other's after each of its MMA issues. Warpgroup 1 arrives once up front and
@@ -224,12 +228,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     float m[2], l[2], corr[2], o[D / 2], sc[BN / 2];
     uint32_t pf[BN / 16][4];
     const uint32_t cw_off = cw * 64 * 128; /* this warpgroup's 64 rows in every column block */
-    /* The previous item while its last P V is pending (ping-pong): with `carry` that MMA is issued
-     * in the next item's first turn, with the next S, and the previous epilogue runs after the next
-     * item's first softmax. */
-    bool pend = false, pend_first = false;
-    int pend_kv = 0, pend_h = 0, pend_q0 = 0, pend_qb = 0;
-    float pend_m[2], pend_l[2];
 
     auto slot = [&](int it) { return (kv0 + it) % kStages; };
     auto phase = [&](int it) { return (uint32_t)(((kv0 + it) / kStages) & 1); };
@@ -246,10 +244,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     auto softmax = [&](int it) {
         bool full;
         const int kt = tile_at(w, it, full);
-        /* Full tiles (with a positive scale) keep the raw scores: the row max is scaled once and
-         * the scale goes into the exponent's FFMA. Partial tiles are scaled first, then masked. */
+        /* A positive scale stays out of the scores: masking sets -inf either way, the row max is
+         * scaled once and the scale goes into the exponent's FFMA. Other scales (and
+         * NCP_SM90_FWD_FOLD=0) scale the scores first. */
         float s_mul = scale_log2;
-        if (!full || !scale_pos) {
+        if (!scale_pos) {
 #pragma unroll
             for (int i = 0; i < BN / 2; ++i) sc[i] *= scale_log2;
             s_mul = 1.f;
@@ -266,21 +265,39 @@ __global__ void __launch_bounds__(kThreads, 1)
                     }
             } else {
                 /* Contiguous keys: the row bounds relative to this thread's first column, so each
-                 * element is two compares against a constant column and a select. */
-                const int cb = kt * BN + 2 * tq;
+                 * element is a compare against a constant column and a select; a bound that no
+                 * row of the tile reaches is not tested (the diagonal tile needs only the upper
+                 * one, a window's far edge only the lower one). */
+                const int k0 = kt * BN, cb = k0 + 2 * tq;
                 int lo[2], hi[2];
 #pragma unroll
                 for (int r = 0; r < 2; ++r) {
                     lo[r] = qlo[r] - cb; /* qlo = kNoKey (rows past Tq): no overflow, cb >= 0 */
                     hi[r] = min(qpos[r], p.Tk - 1) - cb;
                 }
+                const bool need_lo = k0 < w.rng.lo_last; /* q_lo grows with the row */
+                const bool need_hi = !(w.rng.rows_complete && k0 + BN <= p.Tk && k0 + BN - 1 <= w.rng.q_first);
+                if (need_lo && need_hi) {
 #pragma unroll
-                for (int j = 0; j < BN / 8; ++j)
+                    for (int j = 0; j < BN / 8; ++j)
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int c = 8 * j + (e & 1);
-                        if (c < lo[e >> 1] || c > hi[e >> 1]) sc[4 * j + e] = -INFINITY;
-                    }
+                        for (int e = 0; e < 4; ++e) {
+                            const int c = 8 * j + (e & 1);
+                            if (c < lo[e >> 1] || c > hi[e >> 1]) sc[4 * j + e] = -INFINITY;
+                        }
+                } else if (need_hi) {
+#pragma unroll
+                    for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e)
+                            if (8 * j + (e & 1) > hi[e >> 1]) sc[4 * j + e] = -INFINITY;
+                } else {
+#pragma unroll
+                    for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e)
+                            if (8 * j + (e & 1) < lo[e >> 1]) sc[4 * j + e] = -INFINITY;
+                }
             }
         }
         /* Row max and row sum over kAcc independent partials each (short dependent chains:
@@ -331,7 +348,9 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
         fence_p();
     };
+    /* O *= corr; skipped (lazy) when no row of the warp has a new maximum: corr is then exactly 1. */
     auto rescale = [&]() {
+        if (lazy && !__any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f)) return;
 #pragma unroll
         for (int j = 0; j < D / 8; ++j) {
             o[4 * j + 0] *= corr[0];
@@ -394,20 +413,6 @@ __global__ void __launch_bounds__(kThreads, 1)
         __syncwarp();
         if (lane == 0) sm90::mbar_arrive(bar_qe(qb));
     };
-    /* The pending P V alone, then the pending item's epilogue (m, l still hold its state). */
-    auto finish_pending = [&]() {
-        const int s = pend_kv % kStages;
-        if (!pend_first) rescale();
-        sm90::mbar_wait(bar_v(s), (uint32_t)((pend_kv / kStages) & 1));
-        issue_pv(s, !pend_first);
-        sm90::wg_wait<0>();
-        sm90::fence_regs(o, D / 2);
-        fence_p();
-        release_v(s);
-        epilogue(m, l, pend_h, pend_q0, pend_qb);
-        pend = false;
-    };
-
     for (int t = blockIdx.x, n = 0; t < n_items; t += gridDim.x, ++n) {
         w = item_at(t);
         const int n_it = w.n_it, qb = n % NQ;
@@ -415,11 +420,6 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
         for (int r = 0; r < 2; ++r) row_bounds(p, w.q0 + row0 + 8 * r, qpos[r], qlo[r]);
         const float sink_log2 = has_sink ? __ldg(reinterpret_cast<const float *>(p.sink) + w.h) * kLog2e : -INFINITY;
-        if (pend && n_it == 0) finish_pending(); /* outputs in item order */
-        if (pend) {
-#pragma unroll
-            for (int r = 0; r < 2; ++r) pend_m[r] = m[r], pend_l[r] = l[r];
-        }
         m[0] = m[1] = sink_log2;
         l[0] = l[1] = (has_sink && tq == 0) ? 1.f : 0.f; /* counted once by the final quad sum */
         sm90::mbar_wait(bar_q(qb), (n / NQ) & 1);
@@ -451,38 +451,16 @@ __global__ void __launch_bounds__(kThreads, 1)
         } else {
             /* Ping-pong: one warpgroup's softmax runs while the other's MMAs occupy the tensor
              * cores; inside a warpgroup S(it) and P(it-1) V(it-1) are issued together and the
-             * softmax of S(it) overlaps P(it-1) V(it-1). The first turn of an item also carries
-             * the previous item's last P V when one is pending. */
+             * softmax of S(it) overlaps P(it-1) V(it-1). */
             const int s0 = slot(0);
-            if (pend) { /* the previous item's last P V goes with S(0); both waited in this branch */
-                const int ps = pend_kv % kStages;
-                if (!pend_first) rescale();
-                sm90::mbar_wait(bar_k(s0), phase(0));
-                sm90::named_sync(pp_me, 256);
-                issue_s(sQ, s0);
-                sm90::mbar_wait(bar_v(ps), (uint32_t)((pend_kv / kStages) & 1));
-                issue_pv(ps, !pend_first);
-                sm90::named_arrive(pp_other, 256);
-                sm90::wg_wait<1>(); /* S(0) done */
-                sm90::fence_regs(sc, BN / 2);
-                release_k(s0);
-                softmax(0);
-                sm90::wg_wait<0>();
-                sm90::fence_regs(o, D / 2);
-                fence_p();
-                release_v(ps);
-                epilogue(pend_m, pend_l, pend_h, pend_q0, pend_qb);
-                pend = false;
-            } else {
-                sm90::mbar_wait(bar_k(s0), phase(0));
-                sm90::named_sync(pp_me, 256);
-                issue_s(sQ, s0);
-                sm90::named_arrive(pp_other, 256);
-                sm90::wg_wait<0>();
-                sm90::fence_regs(sc, BN / 2);
-                release_k(s0);
-                softmax(0);
-            }
+            sm90::mbar_wait(bar_k(s0), phase(0));
+            sm90::named_sync(pp_me, 256);
+            issue_s(sQ, s0);
+            sm90::named_arrive(pp_other, 256);
+            sm90::wg_wait<0>();
+            sm90::fence_regs(sc, BN / 2);
+            release_k(s0);
+            softmax(0);
             to_p();
             for (int it = 1; it < n_it; ++it) {
                 const int s = slot(it), sp = slot(it - 1);
@@ -503,15 +481,18 @@ __global__ void __launch_bounds__(kThreads, 1)
                 release_v(sp);
                 to_p();
             }
-            pend = true;
-            pend_first = n_it == 1;
-            pend_kv = kv0 + n_it - 1;
-            pend_h = w.h, pend_q0 = w.q0, pend_qb = qb;
-            if (!carry) finish_pending();
+            const int sl = slot(n_it - 1);
+            if (n_it > 1) rescale();
+            sm90::mbar_wait(bar_v(sl), phase(n_it - 1));
+            issue_pv(sl, n_it > 1);
+            sm90::wg_wait<0>();
+            sm90::fence_regs(o, D / 2);
+            fence_p();
+            release_v(sl);
+            epilogue(m, l, w.h, w.q0, qb);
         }
         kv0 += n_it;
     }
-    if (pend) finish_pending();
     if (PINGPONG && cw == 0) sm90::named_sync(kPP, 256); /* warpgroup 1's last arrival */
 #else
     __trap(); /* never launched: the host only picks this kernel on sm_90a builds and devices */
@@ -569,8 +550,9 @@ ncp_status launch_mode(const ncp_sink_attn_params &p, bool persistent, int flags
  * windows and the positions mode, where items are a few kv tiles long, and one CTA per item for
  * full-causal masks (NCP_SM90_FWD_GRID=n caps a persistent grid at n CTAs, for tests). K/V ring
  * depth: NCP_SM90_FWD_STAGES=3|2, default 2 (at D = 128 a third stage leaves room for one Q buffer
- * only). NCP_SM90_FWD_FOLD=0: scale every tile's scores before the softmax (the fold's A/B
- * baseline). BENCHMARKS.md section 1. */
+ * only). A/B baselines: NCP_SM90_FWD_FOLD=0 scales every tile's scores before the softmax,
+ * NCP_SM90_FWD_OSTORE=0 has the consumers copy O out, NCP_SM90_FWD_LAZY=0 rescales O on every
+ * tile. BENCHMARKS.md section 1. */
 template <typename T, int D> ncp_status launch_any(const ncp_sink_attn_params &p, cudaStream_t s) {
     const char *e = getenv("NCP_SM90_FWD_SCHED");
     bool pingpong = true;
@@ -583,8 +565,8 @@ template <typename T, int D> ncp_status launch_any(const ncp_sink_attn_params &p
         const char *v = getenv(name);
         return v != nullptr && strcmp(v, "0") == 0;
     };
-    const int flags = (off("NCP_SM90_FWD_FOLD") ? 0 : kFlagFold) | (off("NCP_SM90_FWD_CARRY") ? 0 : kFlagCarry) |
-                      (off("NCP_SM90_FWD_OSTORE") ? 0 : kFlagOStore);
+    const int flags = (off("NCP_SM90_FWD_FOLD") ? 0 : kFlagFold) | (off("NCP_SM90_FWD_OSTORE") ? 0 : kFlagOStore) |
+                      (off("NCP_SM90_FWD_LAZY") ? 0 : kFlagLazy);
     const char *es = getenv("NCP_SM90_FWD_STAGES");
     const bool three = es != nullptr && strcmp(es, "3") == 0;
     if (three)
