@@ -8,12 +8,15 @@ Every implementation is checked against ours (and ours against the float64 oracl
 before timing.
 
     python benchmarks/bench_sink_attention.py [--quick] [--json out.json] [--cases a,b] [--no-flex]
+        [--impls ncp,ncp-nosink,...] [--interleave] [--reps N] [--heat S]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import statistics
 import sys
 import time
 
@@ -68,6 +71,30 @@ def _flex_runner(lengths, window, hq):
     return run
 
 
+@contextlib.contextmanager
+def _env(env: dict):
+    """Sets environment switches for the duration (the native ops read them at each call)."""
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for key, val in saved.items():
+            os.environ.pop(key, None)
+            if val is not None:
+                os.environ[key] = val
+
+
+def _time_once(fn) -> float:
+    """Milliseconds of one call of fn on the current stream (CUDA events)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
 def _to_bhtd(t):
     return t.detach().transpose(0, 1).unsqueeze(0).contiguous()
 
@@ -84,7 +111,8 @@ def _heat(seconds: float, fn) -> None:
         torch.cuda.synchronize()
 
 
-def bench_case(name, spec, *, flex: bool, reps: int, heat: float = 0.0, only: frozenset = frozenset()) -> list[dict]:
+def bench_case(name, spec, *, flex: bool, reps: int, heat: float = 0.0, only: frozenset = frozenset(),
+               interleave: bool = False) -> list[dict]:  # fmt: skip
     total, doc_len, hq, hkv, d, window = spec
     lengths = doc_lengths(total, f"equal:{doc_len}")
     g = torch.Generator().manual_seed(1234)
@@ -119,6 +147,8 @@ def bench_case(name, spec, *, flex: bool, reps: int, heat: float = 0.0, only: fr
         impls.append(("ncp-fwd-nofold", leaves[3], {"NCP_SM90_FWD_FOLD": "0"}, "sm90 fwd, scale not folded into exp"))
         impls.append(("ncp-fwd-eager-rescale", leaves[3], {"NCP_SM90_FWD_LAZY": "0"},
                       "sm90 fwd, O rescaled on every tile"))
+        impls.append(("ncp-fwd-early", leaves[3], {"NCP_SM90_FWD_EARLY": "1"},
+                      "sm90 fwd, the next item's S(0) issued with the last P V, during the epilogue"))
         impls.append(("ncp-fwd-thread-store", leaves[3], {"NCP_SM90_FWD_OSTORE": "0"},
                       "sm90 fwd, O copied out by the consumer threads (no TMA store)"))
     if _C.sink_attn_bwd_variant() == 4:
@@ -130,9 +160,8 @@ def bench_case(name, spec, *, flex: bool, reps: int, heat: float = 0.0, only: fr
         impls.append(("ncp-portable", leaves[3], {"NCP_FWD_VARIANT": "3", "NCP_BWD_VARIANT": "1"}, "mma.sync fwd+bwd"))
     if only:  # --impls: keep the named rows
         impls = [row for row in impls if row[0] in only]
+    runs = []
     for impl, s, env, note in impls:
-        saved = {key: os.environ.get(key) for key in env}
-        os.environ.update(env)
 
         def fwd(s=s):
             with torch.no_grad():
@@ -142,16 +171,31 @@ def bench_case(name, spec, *, flex: bool, reps: int, heat: float = 0.0, only: fr
             out = ncp.sink_attention(leaves[0], leaves[1], leaves[2], s, cu, window=window, validate=False)
             out.backward(dout)
 
-        try:
-            if env:  # same answer as the default kernel before timing
+        if env:  # same answer as the default kernel before timing
+            with _env(env):
                 note += f"; max|x-ncp|={(fwd().float() - ref_out.float()).abs().max().item():.3g}"
-            _heat(heat, fwdbwd)
-            record(impl, time_cuda(fwd, reps=reps), time_cuda(fwdbwd, reps=max(3, reps // 2)), note)
-        finally:
-            for key, val in saved.items():
-                os.environ.pop(key, None)
-                if val is not None:
-                    os.environ[key] = val
+        runs.append((impl, env, note, fwd, fwdbwd))
+    if interleave and runs:
+        # Round robin: call i of every implementation runs back to back, so drifts of clock and
+        # power state fall on all of them alike; medians over the rounds.
+        with _env(runs[0][1]):
+            _heat(heat, runs[0][4])
+        times = {impl: ([], []) for impl, *_ in runs}
+        for which, n in ((0, reps), (1, max(3, reps // 2))):
+            for r in range(n + 2):  # 2 warm-up rounds
+                for impl, env, _note, *fns in runs:
+                    with _env(env):
+                        ms = _time_once(fns[which])
+                    if r >= 2:
+                        times[impl][which].append(ms)
+        for impl, _env_, note, *_ in runs:
+            f, b = times[impl]
+            record(impl, statistics.median(f), statistics.median(b), note + f"; interleaved x{len(f)}")
+    else:
+        for impl, env, note, fwd, fwdbwd in runs:
+            with _env(env):
+                _heat(heat, fwdbwd)
+                record(impl, time_cuda(fwd, reps=reps), time_cuda(fwdbwd, reps=max(3, reps // 2)), note)
 
     # ---- FlexAttention + sink correction -------------------------------------------------
     if flex and (not only or "flex+sink" in only):
@@ -207,6 +251,8 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--heat", type=float, default=0.0, help="seconds of fwd+bwd before timing each implementation")
     ap.add_argument("--impls", default="", help="comma list of implementation rows (default: all)")
+    ap.add_argument("--interleave", action="store_true",
+                    help="time our implementations round robin (one call each per round), medians over rounds")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available() or not ncp.has_cuda():
@@ -219,7 +265,8 @@ def main(argv=None):
     env = env_record()
     for name, spec in cases.items():
         only = frozenset(args.impls.split(",")) if args.impls else frozenset()
-        new = bench_case(name, spec, flex=not args.no_flex, reps=args.reps, heat=args.heat, only=only)
+        new = bench_case(name, spec, flex=not args.no_flex, reps=args.reps, heat=args.heat, only=only,
+                         interleave=args.interleave)  # fmt: skip
         rows += new
         print_table(new, ["case", "impl", "fwd_ms", "fwd_tflops", "fwdbwd_ms", "fwdbwd_tflops", "note"])
         sys.stdout.flush()
