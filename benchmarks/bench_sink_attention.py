@@ -147,8 +147,6 @@ def bench_case(name, spec, *, flex: bool, reps: int, heat: float = 0.0, only: fr
         impls.append(("ncp-fwd-nofold", leaves[3], {"NCP_SM90_FWD_FOLD": "0"}, "sm90 fwd, scale not folded into exp"))
         impls.append(("ncp-fwd-eager-rescale", leaves[3], {"NCP_SM90_FWD_LAZY": "0"},
                       "sm90 fwd, O rescaled on every tile"))
-        impls.append(("ncp-fwd-early", leaves[3], {"NCP_SM90_FWD_EARLY": "1"},
-                      "sm90 fwd, the next item's S(0) issued with the last P V, during the epilogue"))
         impls.append(("ncp-fwd-thread-store", leaves[3], {"NCP_SM90_FWD_OSTORE": "0"},
                       "sm90 fwd, O copied out by the consumer threads (no TMA store)"))
     if _C.sink_attn_bwd_variant() == 4:

@@ -57,7 +57,6 @@ constexpr int kSmemLimit = 232448; /* opt-in dynamic shared memory per block on 
 constexpr int kFlagFold = 1;   /* a positive scale folded into the exponent's FFMA */
 constexpr int kFlagOStore = 2; /* O stored by the producer with TMA from the staged Q buffer */
 constexpr int kFlagLazy = 4;   /* skip the O rescale of a warp whose row maxima did not change */
-constexpr int kFlagEarly = 8;  /* ping-pong, two Q buffers: the next item's S(0) runs during this epilogue */
 
 /* STAGES-deep K/V ring; two Q buffers (item n + 1 loads during item n) when they fit, else one. */
 template <int D, int BN, int STAGES> struct fwd_layout {
@@ -95,7 +94,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     const bool fold = flags & kFlagFold;
     const bool ostore = flags & kFlagOStore;
     const bool lazy = flags & kFlagLazy;
-    const bool early = PINGPONG && NQ == 2 && (flags & kFlagEarly);
     const int tid = threadIdx.x, wg = tid / 128, lane = tid & 31;
     const bool positions = p.q_pos != nullptr;
     /* Work items t = (q tile, head), heads fastest and the heavy (late) q tiles first; CTA b takes
@@ -415,20 +413,32 @@ __global__ void __launch_bounds__(kThreads, 1)
         __syncwarp();
         if (lane == 0) sm90::mbar_arrive(bar_qe(qb));
     };
-    bool s0_ready = false; /* early: this item's S(0) is already in sc */
+    /* The next item's tile range, row bounds and sink, loaded while the current one finishes. */
+    item w_next;
+    int qpos_next[2], qlo_next[2];
+    float sink_next = -INFINITY;
+    auto prefetch = [&](int t) {
+        if (t >= n_items) return;
+        w_next = item_at(t);
+#pragma unroll
+        for (int r = 0; r < 2; ++r) row_bounds(p, w_next.q0 + row0 + 8 * r, qpos_next[r], qlo_next[r]);
+        if (has_sink) sink_next = __ldg(reinterpret_cast<const float *>(p.sink) + w_next.h) * kLog2e;
+    };
+    prefetch(blockIdx.x);
     for (int t = blockIdx.x, n = 0; t < n_items; t += gridDim.x, ++n) {
-        w = item_at(t);
+        w = w_next;
         const int n_it = w.n_it, qb = n % NQ;
         const uint32_t sQ = q_buf(qb);
 #pragma unroll
-        for (int r = 0; r < 2; ++r) row_bounds(p, w.q0 + row0 + 8 * r, qpos[r], qlo[r]);
-        const float sink_log2 = has_sink ? __ldg(reinterpret_cast<const float *>(p.sink) + w.h) * kLog2e : -INFINITY;
+        for (int r = 0; r < 2; ++r) qpos[r] = qpos_next[r], qlo[r] = qlo_next[r];
+        const float sink_log2 = sink_next;
         m[0] = m[1] = sink_log2;
         l[0] = l[1] = (has_sink && tq == 0) ? 1.f : 0.f; /* counted once by the final quad sum */
         sm90::mbar_wait(bar_q(qb), (n / NQ) & 1);
         if (n_it == 0) { /* no visible key: O = 0, lse = the sink's */
 #pragma unroll
             for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+            prefetch(t + gridDim.x);
             epilogue(m, l, w.h, w.q0, qb);
             continue;
         }
@@ -450,22 +460,20 @@ __global__ void __launch_bounds__(kThreads, 1)
                 fence_p();
                 release_v(s);
             }
+            prefetch(t + gridDim.x);
             epilogue(m, l, w.h, w.q0, qb);
         } else {
             /* Ping-pong: one warpgroup's softmax runs while the other's MMAs occupy the tensor
              * cores; inside a warpgroup S(it) and P(it-1) V(it-1) are issued together and the
              * softmax of S(it) overlaps P(it-1) V(it-1). */
-            if (!s0_ready) { /* else issued and waited during the previous epilogue */
-                const int s0 = slot(0);
-                sm90::mbar_wait(bar_k(s0), phase(0));
-                sm90::named_sync(pp_me, 256);
-                issue_s(sQ, s0);
-                sm90::named_arrive(pp_other, 256);
-                sm90::wg_wait<0>();
-                sm90::fence_regs(sc, BN / 2);
-                release_k(s0);
-            }
-            s0_ready = false;
+            const int s0 = slot(0);
+            sm90::mbar_wait(bar_k(s0), phase(0));
+            sm90::named_sync(pp_me, 256);
+            issue_s(sQ, s0);
+            sm90::named_arrive(pp_other, 256);
+            sm90::wg_wait<0>();
+            sm90::fence_regs(sc, BN / 2);
+            release_k(s0);
             softmax(0);
             to_p();
             for (int it = 1; it < n_it; ++it) {
@@ -490,32 +498,13 @@ __global__ void __launch_bounds__(kThreads, 1)
             const int sl = slot(n_it - 1);
             if (n_it > 1) rescale();
             sm90::mbar_wait(bar_v(sl), phase(n_it - 1));
-            /* early: the last P V and the next item's S(0) go out together (both warpgroups do
-             * the same, outside the turns); the epilogue runs while S(0) does. */
-            const int tn = t + gridDim.x;
-            if (early && tn < n_items && item_at(tn).n_it > 0) {
-                const int qn = (n + 1) % NQ, sn = slot(n_it); /* the next item's Q and first kv tile */
-                sm90::mbar_wait(bar_q(qn), ((n + 1) / NQ) & 1);
-                sm90::mbar_wait(bar_k(sn), phase(n_it));
-                issue_pv(sl, n_it > 1);
-                issue_s(q_buf(qn), sn);
-                sm90::wg_wait<1>(); /* P V done */
-                sm90::fence_regs(o, D / 2);
-                fence_p();
-                release_v(sl);
-                epilogue(m, l, w.h, w.q0, qb);
-                sm90::wg_wait<0>(); /* the next S(0) */
-                sm90::fence_regs(sc, BN / 2);
-                release_k(sn);
-                s0_ready = true;
-            } else {
-                issue_pv(sl, n_it > 1);
-                sm90::wg_wait<0>();
-                sm90::fence_regs(o, D / 2);
-                fence_p();
-                release_v(sl);
-                epilogue(m, l, w.h, w.q0, qb);
-            }
+            issue_pv(sl, n_it > 1);
+            prefetch(t + gridDim.x);
+            sm90::wg_wait<0>();
+            sm90::fence_regs(o, D / 2);
+            fence_p();
+            release_v(sl);
+            epilogue(m, l, w.h, w.q0, qb);
         }
         kv0 += n_it;
     }
@@ -591,9 +580,8 @@ template <typename T, int D> ncp_status launch_any(const ncp_sink_attn_params &p
         const char *v = getenv(name);
         return v != nullptr && strcmp(v, "0") == 0;
     };
-    const char *ee = getenv("NCP_SM90_FWD_EARLY");
     const int flags = (off("NCP_SM90_FWD_FOLD") ? 0 : kFlagFold) | (off("NCP_SM90_FWD_OSTORE") ? 0 : kFlagOStore) |
-                      (off("NCP_SM90_FWD_LAZY") ? 0 : kFlagLazy) | (ee != nullptr && strcmp(ee, "1") == 0 ? kFlagEarly : 0);
+                      (off("NCP_SM90_FWD_LAZY") ? 0 : kFlagLazy);
     const char *es = getenv("NCP_SM90_FWD_STAGES");
     const bool three = es != nullptr && strcmp(es, "3") == 0;
     if (three)
