@@ -175,13 +175,14 @@ def bench_case(name, spec, *, flex: bool, reps: int, heat: float = 0.0, only: fr
         runs.append((impl, env, note, fwd, fwdbwd))
     if interleave and runs:
         # Round robin: call i of every implementation runs back to back, so drifts of clock and
-        # power state fall on all of them alike; medians over the rounds.
+        # power state fall on all of them alike, and round r starts at implementation r (no row
+        # always follows the same one); medians over the rounds.
         with _env(runs[0][1]):
             _heat(heat, runs[0][4])
         times = {impl: ([], []) for impl, *_ in runs}
         for which, n in ((0, reps), (1, max(3, reps // 2))):
             for r in range(n + 2):  # 2 warm-up rounds
-                for impl, env, _note, *fns in runs:
+                for impl, env, _note, *fns in runs[r % len(runs) :] + runs[: r % len(runs)]:
                     with _env(env):
                         ms = _time_once(fns[which])
                     if r >= 2:

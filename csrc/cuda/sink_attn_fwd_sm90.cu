@@ -561,9 +561,10 @@ ncp_status launch_mode(const ncp_sink_attn_params &p, bool persistent, int flags
 /* Schedule: NCP_SM90_FWD_SCHED=serial|pingpong (read on every call), default ping-pong. Until the
  * K and V slots were freed separately, serial was faster on full-causal masks (529-531 vs 491-492
  * TFLOP/s on 32k documents at 336b2cb); with them ping-pong leads on causal 8k documents (555 vs
- * 498 at 991bc7b) and on windows. Grid: NCP_SM90_FWD_PERSIST=1|0; otherwise persistent for
- * windows and the positions mode, where items are a few kv tiles long, and one CTA per item for
- * full-causal masks (NCP_SM90_FWD_GRID=n caps a persistent grid at n CTAs, for tests). K/V ring
+ * 498 at 991bc7b) and on windows. Grid: NCP_SM90_FWD_PERSIST=1|0, default persistent for every
+ * mask (at 2972be1, with the TMA store of O and the next item's bounds loaded early, it was even
+ * with one CTA per item on causal 8k documents and 10% ahead on 2k documents; before, causal masks
+ * used one CTA per item). NCP_SM90_FWD_GRID=n caps a persistent grid at n CTAs, for tests. K/V ring
  * depth: NCP_SM90_FWD_STAGES=3|2, default 2 (at D = 128 a third stage leaves room for one Q buffer
  * only). A/B baselines: NCP_SM90_FWD_FOLD=0 scales every tile's scores before the softmax,
  * NCP_SM90_FWD_OSTORE=0 has the consumers copy O out, NCP_SM90_FWD_LAZY=0 rescales O on every
@@ -573,7 +574,7 @@ template <typename T, int D> ncp_status launch_any(const ncp_sink_attn_params &p
     bool pingpong = true;
     if (e != nullptr && strcmp(e, "serial") == 0) pingpong = false;
     const char *ep = getenv("NCP_SM90_FWD_PERSIST");
-    bool persistent = p.q_pos != nullptr || p.window > 0;
+    bool persistent = true;
     if (ep != nullptr && strcmp(ep, "0") == 0) persistent = false;
     if (ep != nullptr && strcmp(ep, "1") == 0) persistent = true;
     auto off = [](const char *name) {
