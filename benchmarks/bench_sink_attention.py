@@ -221,7 +221,7 @@ def bench_case(name, spec, *, flex: bool, reps: int, heat: float = 0.0, only: fr
             rows.append({"case": name, "impl": "flex+sink", "note": f"failed: {type(exc).__name__}: {exc}"[:200]})
 
     # ---- SDPA (no sink), equal documents as a batch --------------------------------------
-    if window == 0 and total % doc_len == 0 and (not only or "sdpa(no sink)" in only):
+    if window == 0 and total % doc_len == 0 and (not only or "sdpa" in only or "sdpa(no sink)" in only):
         B = total // doc_len
         sq, sk, sv = (t.detach().reshape(B, doc_len, t.shape[1], d).transpose(1, 2).contiguous().requires_grad_()
                       for t in (q, k, v))  # fmt: skip
@@ -249,7 +249,7 @@ def main(argv=None):
     ap.add_argument("--no-flex", action="store_true")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--heat", type=float, default=0.0, help="seconds of fwd+bwd before timing each implementation")
-    ap.add_argument("--impls", default="", help="comma list of implementation rows (default: all)")
+    ap.add_argument("--impls", default="", help="comma list of implementation rows (default: all; sdpa for sdpa(no sink))")
     ap.add_argument("--interleave", action="store_true",
                     help="time our implementations round robin (one call each per round), medians over rounds")
     ap.add_argument("--json", default=None)
