@@ -147,6 +147,8 @@ def bench_case(name, spec, *, flex: bool, reps: int, heat: float = 0.0, only: fr
         impls.append(("ncp-fwd-nofold", leaves[3], {"NCP_SM90_FWD_FOLD": "0"}, "sm90 fwd, scale not folded into exp"))
         impls.append(("ncp-fwd-eager-rescale", leaves[3], {"NCP_SM90_FWD_LAZY": "0"},
                       "sm90 fwd, O rescaled on every tile"))
+        impls.append(("ncp-fwd-late-store", leaves[3], {"NCP_SM90_FWD_EAGER_STORE": "0"},
+                      "sm90 fwd, O's TMA store issued only when its Q buffer is needed again"))
         impls.append(("ncp-fwd-thread-store", leaves[3], {"NCP_SM90_FWD_OSTORE": "0"},
                       "sm90 fwd, O copied out by the consumer threads (no TMA store)"))
     if _C.sink_attn_bwd_variant() == 4:

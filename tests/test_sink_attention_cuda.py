@@ -32,7 +32,7 @@ def fwd_kernel(request, monkeypatch):
     (not the producer's TMA store) and the deterministic dK/dV kernel with MMA overlap, and on the
     portable mma.sync forward and backward (switches are read at each call)."""
     for var in ("NCP_FWD_VARIANT", "NCP_BWD_VARIANT", "NCP_SM90_FWD_SCHED", "NCP_SM90_FWD_PERSIST", "NCP_SM90_FWD_GRID",
-                "NCP_SM90_FWD_STAGES", "NCP_SM90_FWD_FOLD", "NCP_SM90_FWD_LAZY",
+                "NCP_SM90_FWD_STAGES", "NCP_SM90_FWD_FOLD", "NCP_SM90_FWD_LAZY", "NCP_SM90_FWD_EAGER_STORE",
                 "NCP_SM90_FWD_OSTORE",
                 "NCP_SM90_BWD_OVERLAP", "NCP_DETERMINISTIC"):  # fmt: skip
         monkeypatch.delenv(var, raising=False)
@@ -235,11 +235,11 @@ def test_cuda_persistent_forward_matches_one_cta_per_item(stages, sched, d, wind
     Q buffers and the K/V ring carried across items) against one CTA per item: the same arithmetic
     per item, so out and lse are bitwise equal (2- and 3-stage rings; at D = 128 the 3-stage ring
     has a single Q buffer). On the grid of 5 also with the O rescale done on every tile (not only
-    when a row maximum changed) and with O copied out by the consumer threads instead of the
-    producer's TMA store."""
+    when a row maximum changed), with O copied out by the consumer threads instead of the
+    producer's TMA store, and with that store issued only when the Q buffer is needed again."""
     if _C.sink_attn_fwd_variant() != 4:
         pytest.skip("needs the Hopper forward (sm_90a build, compute capability 9.0)")
-    for var in ("NCP_FWD_VARIANT", "NCP_SM90_FWD_GRID", "NCP_SM90_FWD_LAZY",
+    for var in ("NCP_FWD_VARIANT", "NCP_SM90_FWD_GRID", "NCP_SM90_FWD_LAZY", "NCP_SM90_FWD_EAGER_STORE",
                 "NCP_SM90_FWD_OSTORE"):  # fmt: skip
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("NCP_SM90_FWD_SCHED", sched)
@@ -260,11 +260,12 @@ def test_cuda_persistent_forward_matches_one_cta_per_item(stages, sched, d, wind
         assert torch.equal(out, want), f"out differs on a persistent grid of {grid or 'one CTA per SM'}"
         assert torch.equal(lse, want_lse), f"lse differs on a persistent grid of {grid or 'one CTA per SM'}"
     monkeypatch.setenv("NCP_SM90_FWD_GRID", "5")
-    for lazy, ostore in (("0", "1"), ("1", "0"), ("0", "0")):
+    for lazy, ostore, eager in (("0", "1", "1"), ("1", "0", "1"), ("0", "0", "1"), ("1", "1", "0")):
         monkeypatch.setenv("NCP_SM90_FWD_LAZY", lazy)
         monkeypatch.setenv("NCP_SM90_FWD_OSTORE", ostore)
+        monkeypatch.setenv("NCP_SM90_FWD_EAGER_STORE", eager)
         out, lse = ncp.sink_attention(*args, window=window, return_lse=True)
-        msg = f"differs with lazy={lazy} ostore={ostore}"
+        msg = f"differs with lazy={lazy} ostore={ostore} eager_store={eager}"
         assert torch.equal(out, want) and torch.equal(lse, want_lse), msg
 
 
@@ -336,12 +337,13 @@ def test_cuda_forward_query_tiles_without_keys(d, sink, ncp_seed, monkeypatch):
         {"NCP_SM90_FWD_GRID": "1"},
         {"NCP_SM90_FWD_GRID": "2", "NCP_SM90_FWD_LAZY": "0"},
         {"NCP_SM90_FWD_GRID": "1", "NCP_SM90_FWD_LAZY": "0", "NCP_SM90_FWD_OSTORE": "0"},
+        {"NCP_SM90_FWD_GRID": "2", "NCP_SM90_FWD_EAGER_STORE": "0"},
         {"NCP_SM90_FWD_GRID": "3", "NCP_SM90_FWD_OSTORE": "0"},
         {"NCP_SM90_FWD_GRID": "2", "NCP_SM90_FWD_SCHED": "serial"},
         {"NCP_SM90_FWD_GRID": "2", "NCP_SM90_FWD_STAGES": "3"},
     ]
     for env in variants:
-        for var in ("NCP_SM90_FWD_PERSIST", "NCP_SM90_FWD_GRID", "NCP_SM90_FWD_LAZY",
+        for var in ("NCP_SM90_FWD_PERSIST", "NCP_SM90_FWD_GRID", "NCP_SM90_FWD_LAZY", "NCP_SM90_FWD_EAGER_STORE",
                     "NCP_SM90_FWD_OSTORE",
                     "NCP_SM90_FWD_SCHED", "NCP_SM90_FWD_STAGES"):  # fmt: skip
             monkeypatch.delenv(var, raising=False)

@@ -57,6 +57,7 @@ constexpr int kSmemLimit = 232448; /* opt-in dynamic shared memory per block on 
 constexpr int kFlagFold = 1;   /* a positive scale folded into the exponent's FFMA */
 constexpr int kFlagOStore = 2; /* O stored by the producer with TMA from the staged Q buffer */
 constexpr int kFlagLazy = 4;   /* skip the O rescale of a warp whose row maxima did not change */
+constexpr int kFlagEagerStore = 8; /* with OStore: store an item's O as soon as its epilogue is done */
 
 /* STAGES-deep K/V ring; two Q buffers (item n + 1 loads during item n) when they fit, else one. */
 template <int D, int BN, int STAGES> struct fwd_layout {
@@ -94,6 +95,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const bool fold = flags & kFlagFold;
     const bool ostore = flags & kFlagOStore;
     const bool lazy = flags & kFlagLazy;
+    const bool eager_store = flags & kFlagEagerStore;
     const int tid = threadIdx.x, wg = tid / 128, lane = tid & 31;
     const bool positions = p.q_pos != nullptr;
     /* Work items t = (q tile, head), heads fastest and the heavy (late) q tiles first; CTA b takes
@@ -156,23 +158,37 @@ __global__ void __launch_bounds__(kThreads, 1)
             sm90::tma_prefetch_desc(&tm_v);
             if (ostore) sm90::tma_prefetch_desc(&tm_o);
             /* With ostore the consumers stage O in the item's Q buffer and arrive on q_empty; the
-             * producer stores it with TMA (rows past Tq are not written) and reuses the buffer once
-             * the store has read it. */
+             * producer stores it with TMA (rows past Tq are not written), in item order, and reuses
+             * the buffer once the store has read it. eager_store: an item's store goes out as soon
+             * as its epilogue is done (tested without blocking between K/V loads), so the buffer is
+             * free by the time the next Q needs it; otherwise only when that Q needs it. */
             int st_h0 = 0, st_q00 = 0, st_h1 = 0, st_q01 = 0; /* the item whose O Q buffer 0 / 1 stages */
-            auto store_o = [&](int qb) {
-                sm90::tma_store_tile<D>(&tm_o, HBM, qb ? st_h1 : st_h0, qb ? st_q01 : st_q00, q_buf(qb));
+            int stored = 0;                                    /* items whose O store is issued */
+            auto store_next = [&]() {
+                const int b = stored % NQ;
+                sm90::tma_store_tile<D>(&tm_o, HBM, b ? st_h1 : st_h0, b ? st_q01 : st_q00, q_buf(b));
                 sm90::bulk_commit();
+                ++stored;
+            };
+            auto try_store = [&](int n_loaded) {
+                if (ostore && eager_store && stored < n_loaded &&
+                    sm90::mbar_test(bar_qe(stored % NQ), (uint32_t)((stored / NQ) & 1)))
+                    store_next();
             };
             int kv = 0; /* kv tiles loaded so far: ring slot kv % kStages */
             int n = 0;
             for (int t = blockIdx.x; t < n_items; t += gridDim.x, ++n) {
                 const item w = item_at(t);
                 const int qb = n % NQ;
-                if (n >= NQ) {
-                    sm90::mbar_wait(bar_qe(qb), ((n / NQ) & 1) ^ 1);
+                if (n >= NQ) { /* item n - NQ must be done with buffer qb */
                     if (ostore) {
-                        store_o(qb);
-                        sm90::bulk_wait_read<0>(); /* the store has read the buffer */
+                        while (stored <= n - NQ) {
+                            sm90::mbar_wait(bar_qe(stored % NQ), (uint32_t)((stored / NQ) & 1));
+                            store_next();
+                        }
+                        sm90::bulk_wait_read<0>(); /* the stores have read their buffers */
+                    } else {
+                        sm90::mbar_wait(bar_qe(qb), ((n / NQ) & 1) ^ 1);
                     }
                 }
                 if (qb) st_h1 = w.h, st_q01 = w.q0;
@@ -188,18 +204,20 @@ __global__ void __launch_bounds__(kThreads, 1)
                     const uint32_t sK = sK0 + s * L::kv_bytes, sV = sV0 + s * L::kv_bytes;
                     /* K and V slots are freed separately: K once every S MMA that read it is done,
                      * V only after P V, so the next K load starts earlier. */
+                    try_store(n);
                     if (kv >= kStages) sm90::mbar_wait(bar_ke(s), par);
                     sm90::mbar_expect_tx(bar_k(s), L::kv_bytes);
                     sm90::tma_load_tile<D>(sK, &tm_k, BN, g_kv, kt * BN, bar_k(s));
+                    try_store(n);
                     if (kv >= kStages) sm90::mbar_wait(bar_ve(s), par);
                     sm90::mbar_expect_tx(bar_v(s), L::kv_bytes);
                     sm90::tma_load_tile<D>(sV, &tm_v, BN, g_kv, kt * BN, bar_v(s));
                 }
             }
-            if (ostore) { /* the last items' outputs */
-                for (int j = n > NQ ? n - NQ : 0; j < n; ++j) {
-                    sm90::mbar_wait(bar_qe(j % NQ), (j / NQ) & 1);
-                    store_o(j % NQ);
+            if (ostore) { /* the remaining outputs */
+                while (stored < n) {
+                    sm90::mbar_wait(bar_qe(stored % NQ), (uint32_t)((stored / NQ) & 1));
+                    store_next();
                 }
                 sm90::bulk_wait<0>();
             }
@@ -567,7 +585,8 @@ ncp_status launch_mode(const ncp_sink_attn_params &p, bool persistent, int flags
  * used one CTA per item). NCP_SM90_FWD_GRID=n caps a persistent grid at n CTAs, for tests. K/V ring
  * depth: NCP_SM90_FWD_STAGES=3|2, default 2 (at D = 128 a third stage leaves room for one Q buffer
  * only). A/B baselines: NCP_SM90_FWD_FOLD=0 scales every tile's scores before the softmax,
- * NCP_SM90_FWD_OSTORE=0 has the consumers copy O out, NCP_SM90_FWD_LAZY=0 rescales O on every
+ * NCP_SM90_FWD_OSTORE=0 has the consumers copy O out, NCP_SM90_FWD_EAGER_STORE=0 issues the TMA
+ * store of O only when its Q buffer is needed again, NCP_SM90_FWD_LAZY=0 rescales O on every
  * tile. BENCHMARKS.md section 1. */
 template <typename T, int D> ncp_status launch_any(const ncp_sink_attn_params &p, cudaStream_t s) {
     const char *e = getenv("NCP_SM90_FWD_SCHED");
@@ -582,7 +601,7 @@ template <typename T, int D> ncp_status launch_any(const ncp_sink_attn_params &p
         return v != nullptr && strcmp(v, "0") == 0;
     };
     const int flags = (off("NCP_SM90_FWD_FOLD") ? 0 : kFlagFold) | (off("NCP_SM90_FWD_OSTORE") ? 0 : kFlagOStore) |
-                      (off("NCP_SM90_FWD_LAZY") ? 0 : kFlagLazy);
+                      (off("NCP_SM90_FWD_LAZY") ? 0 : kFlagLazy) | (off("NCP_SM90_FWD_EAGER_STORE") ? 0 : kFlagEagerStore);
     const char *es = getenv("NCP_SM90_FWD_STAGES");
     const bool three = es != nullptr && strcmp(es, "3") == 0;
     if (three)
