@@ -26,6 +26,8 @@ from nemo_cp_native.reference import cp_attention as rcp
 from nemo_cp_native.reference import magi as rmagi
 from nemo_cp_native.testing_attention import doc_lengths, make_attention_case, pack_documents
 
+from _attn_checks import tile_schedule_brute_force
+
 HYP = settings(max_examples=40, deadline=None, database=None,
                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])  # fmt: skip
 ENV = "MAGI_ATTENTION_MIN_CHUNKS_PER_RANK"
@@ -194,18 +196,6 @@ def _visible(cu: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, window:
     return m & (qi - kj < window) if window else m
 
 
-def _expected(mask: torch.Tensor, bm: int, bn: int) -> list[list[tuple[int, int]]]:
-    """Brute force: (q tile, kv tile) listed iff it holds a visible pair; full iff the tile is
-    complete (bm x bn) and every pair is visible (pad rows see nothing, so they are never full)."""
-    L, Lkv = mask.shape
-    nq, nk = -(-L // bm), -(-Lkv // bn)
-    padded = torch.zeros(nq * bm, nk * bn, dtype=torch.bool)
-    padded[:L, :Lkv] = mask
-    blocks = padded.reshape(nq, bm, nk, bn)
-    anyv, allv = blocks.any(3).any(1), blocks.all(3).all(1)
-    return [[(k, int(allv[t, k])) for k in range(nk) if anyv[t, k]] for t in range(nq)]
-
-
 @given(lengths=st.lists(st.integers(1, 400), min_size=1, max_size=6), cp=st.sampled_from([1, 2, 3, 4]),
        chunk=st.sampled_from([16, 64, 100, 200, 512]), window=st.sampled_from([1, 63, 64, 129, 200]))  # fmt: skip
 @settings(HYP, max_examples=25)
@@ -234,8 +224,8 @@ def _check_schedules(cu, cp, chunk, window):
             assert torch.equal(rule, mask)
             fwd, dq = _decode(m["fwd_off"], m["fwd_ent"]), _decode(m["dq_off"], m["dq_ent"])
             assert len(fwd) == -(-L // 128) and len(dq) == -(-L // 64)
-            assert fwd == _expected(mask, 128, 64), (plan.keys[w].cp_rank, w)
-            assert dq == _expected(mask, 64, 64), (plan.keys[w].cp_rank, w)
+            assert fwd == tile_schedule_brute_force(mask, 128, 64), (plan.keys[w].cp_rank, w)
+            assert dq == tile_schedule_brute_force(mask, 64, 64), (plan.keys[w].cp_rank, w)
             dkv = _decode(m["dkv_off"], m["dkv_ent"])
             transposed = [[] for _ in range(-(-Lkv // 64))]
             for t, row in enumerate(dq):

@@ -16,7 +16,7 @@ from nemo_cp_native.reference.sink_attention import attention_ref, sink_grad_clo
 from nemo_cp_native.reference.tolerance import assert_close_to_ref, assert_close_to_ref_ulp
 from nemo_cp_native.testing_attention import doc_lengths, make_attention_case
 
-from _attn_checks import check_dsink, d_rounding_allowance
+from _attn_checks import check_dsink, d_rounding_allowance, tile_schedule_brute_force
 
 pytestmark = pytest.mark.cuda
 
@@ -270,17 +270,10 @@ def test_cuda_persistent_forward_matches_one_cta_per_item(stages, sched, d, wind
 
 
 def _tile_schedule(seen: torch.Tensor, bm: int, bn: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """CSR schedule of the positions mode, by brute force: (q tile, kv tile) listed iff it holds a
-    visible pair, entry = kv tile * 2 + full (complete tile, every pair visible)."""
-    L, Lkv = seen.shape
-    nq, nk = -(-L // bm), -(-Lkv // bn)
-    padded = torch.zeros(nq * bm, nk * bn, dtype=torch.bool)
-    padded[:L, :Lkv] = seen
-    blocks = padded.reshape(nq, bm, nk, bn)
-    anyv, allv = blocks.any(3).any(1), blocks.all(3).all(1)
+    """The brute-force schedule as the CSR tables the kernels read (entry = kv tile * 2 + full)."""
     off, ent = [0], []
-    for t in range(nq):
-        ent += [kt * 2 + int(allv[t, kt]) for kt in range(nk) if anyv[t, kt]]
+    for row in tile_schedule_brute_force(seen, bm, bn):
+        ent += [kt * 2 + full for kt, full in row]
         off.append(len(ent))
     return torch.tensor(off, dtype=torch.int32), torch.tensor(ent, dtype=torch.int32)
 
