@@ -385,15 +385,15 @@ __global__ void __launch_bounds__(kThreads, 1)
         __syncwarp();
         if (lane == 0) sm90::mbar_arrive(bar_ve(s));
     };
-    /* O = acc / l staged in this warpgroup's rows of Q buffer qb, lse; then either the producer
-     * stores it with TMA (ostore) or this warpgroup copies it out with 16-byte stores. The arrival
-     * on q_empty hands the buffer back. */
-    auto epilogue = [&](const float *mm, const float *ll, int hh, int qq0, int qb) {
+    /* The item's O = acc / l staged in this warpgroup's rows of Q buffer qb, lse; then either the
+     * producer stores it with TMA (ostore) or this warpgroup copies it out with 16-byte stores. The
+     * arrival on q_empty hands the buffer back. */
+    auto epilogue = [&](int qb) {
         const uint32_t sQ = q_buf(qb);
         float lt[2], inv[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            lt[r] = quad_sum(ll[r]);
+            lt[r] = quad_sum(l[r]);
             inv[r] = lt[r] > 0.f ? 1.f / lt[r] : 0.f;
         }
 #pragma unroll
@@ -407,16 +407,16 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (tq == 0) {
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
-                const int i = qq0 + row0 + 8 * r;
-                if (i < p.Tq) p.lse[(int64_t)hh * p.Tq + i] = lt[r] > 0.f ? (mm[r] + __log2f(lt[r])) * kLn2 : -INFINITY;
+                const int i = w.q0 + row0 + 8 * r;
+                if (i < p.Tq) p.lse[(int64_t)w.h * p.Tq + i] = lt[r] > 0.f ? (m[r] + __log2f(lt[r])) * kLn2 : -INFINITY;
             }
         }
         if (!ostore) {
             sm90::named_sync(1 + cw, 128);
-            T *oh = reinterpret_cast<T *>(p.out) + (int64_t)hh * p.o_sh;
+            T *oh = reinterpret_cast<T *>(p.out) + (int64_t)w.h * p.o_sh;
             constexpr int kChunks = D / 8;
             for (int i = tid & 127; i < 64 * kChunks; i += 128) {
-                const int row = 64 * cw + i / kChunks, chunk = i % kChunks, q = qq0 + row;
+                const int row = 64 * cw + i / kChunks, chunk = i % kChunks, q = w.q0 + row;
                 if (q >= p.Tq) continue;
                 uint4 v;
                 asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];\n"
@@ -457,7 +457,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
             for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
             prefetch(t + gridDim.x);
-            epilogue(m, l, w.h, w.q0, qb);
+            epilogue(qb);
             continue;
         }
         if (!PINGPONG) { /* serial schedule: each MMA batch waited for at once */
@@ -479,7 +479,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                 release_v(s);
             }
             prefetch(t + gridDim.x);
-            epilogue(m, l, w.h, w.q0, qb);
+            epilogue(qb);
         } else {
             /* Ping-pong: one warpgroup's softmax runs while the other's MMAs occupy the tensor
              * cores; inside a warpgroup S(it) and P(it-1) V(it-1) are issued together and the
@@ -522,7 +522,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             sm90::fence_regs(o, D / 2);
             fence_p();
             release_v(sl);
-            epilogue(m, l, w.h, w.q0, qb);
+            epilogue(qb);
         }
         kv0 += n_it;
     }

@@ -27,21 +27,20 @@ __device__ __forceinline__ void gemm_ss(float *acc, uint32_t a, uint32_t a_cb, u
     wg_commit();
 }
 
-/* The k-steps of gemm_rs alone, for callers that put several GEMMs in one commit group. */
+/* The k-steps of gemm_rs alone, for callers that put several GEMMs in one commit group; keep = 0:
+ * the first k-step overwrites acc (no zeroing of the accumulators beforehand). */
 template <typename T, int N, int K>
-__device__ __forceinline__ void rs_steps(float *acc, uint32_t (*a)[4], uint32_t b, uint32_t lbo) {
+__device__ __forceinline__ void rs_steps(float *acc, uint32_t (*a)[4], uint32_t b, uint32_t lbo, int keep = 1) {
 #pragma unroll
-    for (int kk = 0; kk < K / 16; ++kk) wgmma<T, N>::template rs<1>(acc, a[kk], desc_mnmajor(b + kk * 16 * 128, lbo), 1);
+    for (int kk = 0; kk < K / 16; ++kk)
+        wgmma<T, N>::template rs<1>(acc, a[kk], desc_mnmajor(b + kk * 16 * 128, lbo), kk > 0 || keep);
 }
 
-/* keep = 0: the first k-step overwrites acc (no zeroing of the accumulators beforehand). */
 template <typename T, int N, int K>
 __device__ __forceinline__ void gemm_rs(float *acc, uint32_t (*a)[4], uint32_t b, uint32_t lbo, int keep = 1) {
     fence_regs(acc, N / 2);
     wg_fence();
-#pragma unroll
-    for (int kk = 0; kk < K / 16; ++kk)
-        wgmma<T, N>::template rs<1>(acc, a[kk], desc_mnmajor(b + kk * 16 * 128, lbo), kk > 0 || keep);
+    rs_steps<T, N, K>(acc, a, b, lbo, keep);
     wg_commit();
 }
 #endif
