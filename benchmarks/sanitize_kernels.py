@@ -86,7 +86,7 @@ if __name__ == "__main__":
     parts = sys.argv[1:] or ["attention", "mimo"]
     if "attention" in parts:
         os.environ.update(NCP_SM90_FWD_GRID="3")  # a persistent forward grid walks many items per CTA
-        attention()  # default kernels (on sm_90: schedule and grid per mask, atomic-dQ backward)
+        attention()  # default kernels (on sm_90: ping-pong forward on a persistent grid, atomic-dQ backward)
         # serial persistent forward on a 3-stage ring, O copied out by the consumer threads,
         # deterministic Hopper backward
         os.environ.update(NCP_DETERMINISTIC="1", NCP_SM90_FWD_SCHED="serial", NCP_SM90_FWD_PERSIST="1", NCP_SM90_FWD_STAGES="3",

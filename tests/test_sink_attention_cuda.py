@@ -26,7 +26,7 @@ DEV = "cuda"
 @pytest.fixture(params=["auto", "sm90-fwd-serial", "sm90-bwd-overlap", "portable"])
 def fwd_kernel(request, monkeypatch):
     """Runs a test on the default kernels (on an H200: the Hopper forward with its default schedule
-    and grid per mask and the atomic-dQ backward), on the serial Hopper forward on a persistent grid
+    on a persistent grid and the atomic-dQ backward), on the serial Hopper forward on a persistent grid
     of 7 CTAs (many work items each) with the deterministic Hopper backward, on the ping-pong Hopper
     forward with one CTA per work item, a 3-stage K/V ring, O copied out by the consumer threads
     (not the producer's TMA store) and the deterministic dK/dV kernel with MMA overlap, and on the
