@@ -120,15 +120,6 @@ __device__ __forceinline__ void store_rows(const float *acc, float mul, uint32_t
 }
 #endif
 
-template <typename T, int N> __device__ __forceinline__ void to_frags(uint32_t (*f)[4], const float *x) {
-#pragma unroll
-    for (int kk = 0; kk < N / 16; ++kk) {
-        f[kk][0] = elem<T>::pack(x[8 * kk + 0], x[8 * kk + 1]);
-        f[kk][1] = elem<T>::pack(x[8 * kk + 2], x[8 * kk + 3]);
-        f[kk][2] = elem<T>::pack(x[8 * kk + 4], x[8 * kk + 5]);
-        f[kk][3] = elem<T>::pack(x[8 * kk + 6], x[8 * kk + 7]);
-    }
-}
 
 /* Position (in float2 units) of a warpgroup's dQ fragment pair (warp, j, r, lane) inside a staged
  * 64 x 64 fp32 tile in "fragment order": rows 16 warp + lane / 4 + 8 r, columns 8 j + 2 (lane % 4)

@@ -357,13 +357,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     };
     /* P into A fragments. */
     auto to_p = [&]() {
-#pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk) {
-            pf[kk][0] = elem<T>::pack(sc[8 * kk + 0], sc[8 * kk + 1]);
-            pf[kk][1] = elem<T>::pack(sc[8 * kk + 2], sc[8 * kk + 3]);
-            pf[kk][2] = elem<T>::pack(sc[8 * kk + 4], sc[8 * kk + 5]);
-            pf[kk][3] = elem<T>::pack(sc[8 * kk + 6], sc[8 * kk + 7]);
-        }
+        to_frags<T, BN>(pf, sc);
         fence_p();
     };
     /* O *= corr; skipped (lazy) when no row of the warp has a new maximum: corr is then exactly 1. */
