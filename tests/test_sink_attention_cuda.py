@@ -29,11 +29,12 @@ def fwd_kernel(request, monkeypatch):
     on a persistent grid and the atomic-dQ backward), on the serial Hopper forward on a persistent grid
     of 7 CTAs (many work items each) with the deterministic Hopper backward, on the ping-pong Hopper
     forward with one CTA per work item, a 3-stage K/V ring, O copied out by the consumer threads
-    (not the producer's TMA store) and the deterministic dK/dV kernel with MMA overlap, and on the
+    (not the producer's TMA store), whole edge tiles (no half tiles) and the deterministic dK/dV
+    kernel with MMA overlap, and on the
     portable mma.sync forward and backward (switches are read at each call)."""
     for var in ("NCP_FWD_VARIANT", "NCP_BWD_VARIANT", "NCP_SM90_FWD_SCHED", "NCP_SM90_FWD_PERSIST", "NCP_SM90_FWD_GRID",
                 "NCP_SM90_FWD_STAGES", "NCP_SM90_FWD_FOLD", "NCP_SM90_FWD_LAZY", "NCP_SM90_FWD_EAGER_STORE",
-                "NCP_SM90_FWD_OSTORE",
+                "NCP_SM90_FWD_OSTORE", "NCP_SM90_FWD_HALF",
                 "NCP_SM90_BWD_OVERLAP", "NCP_DETERMINISTIC"):  # fmt: skip
         monkeypatch.delenv(var, raising=False)
     if request.param == "portable":
@@ -49,6 +50,7 @@ def fwd_kernel(request, monkeypatch):
         monkeypatch.setenv("NCP_SM90_FWD_PERSIST", "0")
         monkeypatch.setenv("NCP_SM90_FWD_STAGES", "3")
         monkeypatch.setenv("NCP_SM90_FWD_OSTORE", "0")
+        monkeypatch.setenv("NCP_SM90_FWD_HALF", "0")
         monkeypatch.setenv("NCP_SM90_BWD_OVERLAP", "1")
         monkeypatch.setenv("NCP_DETERMINISTIC", "1")
     return request.param
@@ -267,6 +269,60 @@ def test_cuda_persistent_forward_matches_one_cta_per_item(stages, sched, d, wind
         out, lse = ncp.sink_attention(*args, window=window, return_lse=True)
         msg = f"differs with lazy={lazy} ostore={ostore} eager_store={eager}"
         assert torch.equal(out, want) and torch.equal(lse, want_lse), msg
+
+
+@pytest.mark.parametrize("stages", ["2", "3"])
+@pytest.mark.parametrize("sched", ["serial", "pingpong"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_cuda_half_tiles_match_whole_tiles(stages, sched, d, ncp_seed, monkeypatch):
+    """Half tiles (a warpgroup computes only the 64 keys of an item's first or last kv tile that its
+    rows can see) against whole tiles (NCP_SM90_FWD_HALF=0): the skipped keys only add exact zeros,
+    so out and lse are bitwise equal. Cases: aligned causal documents (the first warpgroup's
+    diagonal tile is a low half), aligned windows of 513 (both warpgroups take a half tile),
+    windows whose far tile the second warpgroup cannot see at all (449, 385), documents that start
+    inside a q tile, and a last q tile whose second warpgroup has no rows (Tq % 128 < 64); with one
+    CTA per item and on a persistent grid of 5. Also the default (half tiles) against the fp64
+    oracle on the unaligned case."""
+    if _C.sink_attn_fwd_variant() != 4:
+        pytest.skip("needs the Hopper forward (sm_90a build, compute capability 9.0)")
+    for var in ("NCP_FWD_VARIANT", "NCP_SM90_FWD_PERSIST", "NCP_SM90_FWD_GRID", "NCP_SM90_FWD_HALF",
+                "NCP_SM90_FWD_LAZY", "NCP_SM90_FWD_OSTORE", "NCP_SM90_FWD_EAGER_STORE", "NCP_SM90_FWD_FOLD"):  # fmt: skip
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("NCP_SM90_FWD_SCHED", sched)
+    monkeypatch.setenv("NCP_SM90_FWD_STAGES", stages)
+    g = torch.Generator().manual_seed(ncp_seed)
+    cases = [
+        ([1024, 2048, 512], 0),
+        ([2048, 1024], 513),
+        ([2048], 449),
+        ([1536], 385),
+        ([300, 77, 900, 41], 0),
+        ([300, 77, 900, 41], 200),
+        ([130, 1000, 5, 700], 513),
+        ([128 * 9 + 30], 64),
+        ([128 * 9 + 70], 65),
+    ]
+    for lengths, window in cases:
+        c = make_attention_case(lengths, 4, 2, d, device=DEV, generator=g)
+        args = (c["q"], c["k"], c["v"], c["sink"], c["cu_seqlens"])
+        for grid in (None, "5"):
+            if grid is None:
+                monkeypatch.setenv("NCP_SM90_FWD_PERSIST", "0")
+                monkeypatch.delenv("NCP_SM90_FWD_GRID", raising=False)
+            else:
+                monkeypatch.setenv("NCP_SM90_FWD_PERSIST", "1")
+                monkeypatch.setenv("NCP_SM90_FWD_GRID", grid)
+            monkeypatch.setenv("NCP_SM90_FWD_HALF", "0")
+            want, want_lse = ncp.sink_attention(*args, window=window, return_lse=True)
+            monkeypatch.delenv("NCP_SM90_FWD_HALF")
+            out, lse = ncp.sink_attention(*args, window=window, return_lse=True)
+            msg = f"half tiles differ from whole tiles: lengths {lengths} window {window} grid {grid}"
+            assert torch.equal(out, want) and torch.equal(lse, want_lse), msg
+        if lengths == [130, 1000, 5, 700]:
+            ref, ref_lse = attention_ref(*(t.double() for t in args[:4]), c["cu_seqlens"], window=window)
+            lp, lp_lse = attention_ref(*args, window=window, upcast=False)
+            assert_close_to_ref(out, ref, lp, name="out (half tiles)")
+            assert_close_to_ref_ulp(lse, ref_lse, lp_lse.double(), name="lse (half tiles)", magnitude_floor=1.0)
 
 
 def _tile_schedule(seen: torch.Tensor, bm: int, bn: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -209,10 +209,14 @@ __device__ __forceinline__ q_tile_range contiguous_q_range(const ncp_sink_attn_p
     r.kt_hi = min(q_last, p.Tk - 1) / bn;
     return r;
 }
-/* Every (q, k) of kv tile kt visible to every row of the q tile? */
-__device__ __forceinline__ bool contiguous_full(const ncp_sink_attn_params &p, const q_tile_range &r, int kt, int bn) {
-    const int k0 = kt * bn, k1 = k0 + bn;
+/* Every (q, k) of the keys [k0, k0 + n) visible to every row of the q tile? */
+__device__ __forceinline__ bool contiguous_full_cols(const ncp_sink_attn_params &p, const q_tile_range &r, int k0, int n) {
+    const int k1 = k0 + n;
     return r.rows_complete && k1 <= p.Tk && k1 - 1 <= r.q_first && k0 >= r.lo_last;
+}
+/* ... of kv tile kt of bn keys? */
+__device__ __forceinline__ bool contiguous_full(const ncp_sink_attn_params &p, const q_tile_range &r, int kt, int bn) {
+    return contiguous_full_cols(p, r, kt * bn, bn);
 }
 
 }  // namespace ncp

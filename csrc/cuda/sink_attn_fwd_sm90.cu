@@ -35,9 +35,13 @@
  * folded into the exponent's FFMA); partial tiles are masked with per-row bounds relative to the
  * thread's columns, testing only the bounds that cut the tile. O is rescaled only in warps where a
  * row maximum changed (corr is exactly 1 otherwise; NCP_SM90_FWD_LAZY=0 rescales every tile).
+ * Half tiles (contiguous mode): when a warpgroup's 64 rows cannot see one 64-key half of the item's
+ * first or last kv tile, it computes S and the softmax on the other half only (P V stays K = 128
+ * with zeros; NCP_SM90_FWD_HALF=0 computes whole tiles, with the same bits).
  * Measured on the H200: BENCHMARKS.md section 1.
  * Test: pytest tests/test_sink_attention_cuda.py   Bench: python benchmarks/bench_sink_attention.py
  */
+#include <limits.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -58,6 +62,9 @@ constexpr int kFlagFold = 1;   /* a positive scale folded into the exponent's FF
 constexpr int kFlagOStore = 2; /* O stored by the producer with TMA from the staged Q buffer */
 constexpr int kFlagLazy = 4;   /* skip the O rescale of a warp whose row maxima did not change */
 constexpr int kFlagEagerStore = 8; /* with OStore: store an item's O as soon as its epilogue is done */
+constexpr int kFlagHalf = 16;  /* contiguous mode: a warpgroup skips the half of an edge tile its rows cannot see */
+
+template <int N> struct ic { static constexpr int value = N; };
 
 /* STAGES-deep K/V ring; two Q buffers (item n + 1 loads during item n) when they fit, else one. */
 template <int D, int BN, int STAGES> struct fwd_layout {
@@ -96,6 +103,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     const bool ostore = flags & kFlagOStore;
     const bool lazy = flags & kFlagLazy;
     const bool eager_store = flags & kFlagEagerStore;
+    /* Half tiles need BN = 128. At D = 64 with a 3-stage ring (not the default) ptxas serializes
+     * the ping-pong MMAs (C7515) once the half-tile paths are in, so they are compiled out there. */
+    constexpr bool kHalves = BN == 128 && !(D == 64 && kStages == 3);
+    const bool halves = kHalves && (flags & kFlagHalf);
     const int tid = threadIdx.x, wg = tid / 128, lane = tid & 31;
     const bool positions = p.q_pos != nullptr;
     /* Work items t = (q tile, head), heads fastest and the heavy (late) q tiles first; CTA b takes
@@ -241,7 +252,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (PINGPONG && cw == 1) sm90::named_arrive(kPP, 256);
 
     int kv0 = 0; /* kv tiles consumed before this item */
-    item w;
+    item w{};
     int qpos[2], qlo[2];
     float m[2], l[2], corr[2], o[D / 2], sc[BN / 2];
     uint32_t pf[BN / 16][4];
@@ -250,31 +261,51 @@ __global__ void __launch_bounds__(kThreads, 1)
     auto slot = [&](int it) { return (kv0 + it) % kStages; };
     auto phase = [&](int it) { return (uint32_t)(((kv0 + it) / kStages) & 1); };
 
-    /* S = Q K^T (64 x BN per warpgroup), issued asynchronously */
-    auto issue_s = [&](uint32_t sQ, int s) {
-        sm90::gemm_ss<T, BN, D>(sc, sQ + cw_off, HBM * 128, sK0 + s * L::kv_bytes, BN * 128);
+    /* Half tiles (contiguous mode, BN = 128, kFlagHalf): the keys of an item's first (diagonal)
+     * tile that lie past every row of a warpgroup, and those of its last tile that lie before every
+     * row, are masked for all of that warpgroup's rows. When such keys make up a 64-key half, the
+     * warpgroup computes only the other half (hc = 1: keys 0-63 of the tile, hc = 2: keys 64-127):
+     * S is 64 x 64, the softmax runs over 64 columns and P V takes K = 64. The dropped keys would
+     * only add exact zeros, so the bits are the same (a test checks it). On a window of 513 with
+     * aligned tiles each warpgroup skips half a tile of the item's five; on a causal diagonal the
+     * first warpgroup skips half of it. hc_first / hc_last: tile 0 / tile n_it - 1 of the item. */
+    int hc_first = 0, hc_last = 0;
+    auto half_of = [&](int it) { return it == 0 ? hc_first : (it == w.n_it - 1 ? hc_last : 0); };
+    /* S = Q K^T (64 x BN per warpgroup), issued asynchronously; H = 1: the half tile of keys
+     * hc * 64 - 64 .. into sc[0 .. BN / 4). ptxas serializes the wgmma pipeline (C7515) when
+     * control flow merges while an MMA is in flight, so the callers choose the shape at compile
+     * time, or branch around the whole stage (issue to wait). */
+    auto issue_s = [&](uint32_t sQ, int s, auto h, int hc) {
+        const uint32_t sK = sK0 + s * L::kv_bytes;
+        if constexpr (BN == 128 && decltype(h)::value == 1)
+            sm90::gemm_ss<T, BN / 2, D>(sc, sQ + cw_off, HBM * 128, sK + (hc == 2 ? BN / 2 * 128 : 0), BN * 128);
+        else
+            sm90::gemm_ss<T, BN, D>(sc, sQ + cw_off, HBM * 128, sK, BN * 128);
     };
     /* O (+)= P V, issued asynchronously (P stays live in registers until the wait); keep = 0 for
-     * an item's first tile overwrites O. */
+     * an item's first tile overwrites O. Always K = BN: the P of a half tile has zeros in the
+     * other half (to_p), so the keys it skipped add exact zeros as masked keys do. */
     auto issue_pv = [&](int s, int keep) { sm90::gemm_rs<T, D, BN>(o, pf, sV0 + s * L::kv_bytes, BN * 128, keep); };
     /* Scale into the log2 domain, mask a partial tile, online softmax: sc becomes the
      * unnormalized probabilities, corr the factor O must be rescaled by before it takes them. */
-    auto softmax = [&](int it) {
+    auto softmax_n = [&](auto nb, int it, int hc) {
+        constexpr int NB = decltype(nb)::value; /* columns: BN, or BN / 2 on a half tile */
         bool full;
         const int kt = tile_at(w, it, full);
+        if (NB != BN) full = contiguous_full_cols(p, w.rng, kt * BN + (hc == 2 ? BN - NB : 0), NB);
         /* A positive scale stays out of the scores: masking sets -inf either way, the row max is
          * scaled once and the scale goes into the exponent's FFMA. Other scales (and
          * NCP_SM90_FWD_FOLD=0) scale the scores first. */
         float s_mul = scale_log2;
         if (!scale_pos) {
 #pragma unroll
-            for (int i = 0; i < BN / 2; ++i) sc[i] *= scale_log2;
+            for (int i = 0; i < NB / 2; ++i) sc[i] *= scale_log2;
             s_mul = 1.f;
         }
         if (!full) { /* one branch per tile: full tiles keep a single straight-line block */
             if (positions) {
 #pragma unroll
-                for (int j = 0; j < BN / 8; ++j)
+                for (int j = 0; j < NB / 8; ++j)
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
                         const int kj = kt * BN + 8 * j + 2 * tq + (e & 1);
@@ -286,7 +317,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                  * element is a compare against a constant column and a select; a bound that no
                  * row of the tile reaches is not tested (the diagonal tile needs only the upper
                  * one, a window's far edge only the lower one). */
-                const int k0 = kt * BN, cb = k0 + 2 * tq;
+                const int k0 = kt * BN + (hc == 2 ? BN - NB : 0), cb = k0 + 2 * tq;
                 int lo[2], hi[2];
 #pragma unroll
                 for (int r = 0; r < 2; ++r) {
@@ -294,10 +325,10 @@ __global__ void __launch_bounds__(kThreads, 1)
                     hi[r] = min(qpos[r], p.Tk - 1) - cb;
                 }
                 const bool need_lo = k0 < w.rng.lo_last; /* q_lo grows with the row */
-                const bool need_hi = !(w.rng.rows_complete && k0 + BN <= p.Tk && k0 + BN - 1 <= w.rng.q_first);
+                const bool need_hi = !(w.rng.rows_complete && k0 + NB <= p.Tk && k0 + NB - 1 <= w.rng.q_first);
                 if (need_lo && need_hi) {
 #pragma unroll
-                    for (int j = 0; j < BN / 8; ++j)
+                    for (int j = 0; j < NB / 8; ++j)
 #pragma unroll
                         for (int e = 0; e < 4; ++e) {
                             const int c = 8 * j + (e & 1);
@@ -305,13 +336,13 @@ __global__ void __launch_bounds__(kThreads, 1)
                         }
                 } else if (need_hi) {
 #pragma unroll
-                    for (int j = 0; j < BN / 8; ++j)
+                    for (int j = 0; j < NB / 8; ++j)
 #pragma unroll
                         for (int e = 0; e < 4; ++e)
                             if (8 * j + (e & 1) > hi[e >> 1]) sc[4 * j + e] = -INFINITY;
                 } else {
 #pragma unroll
-                    for (int j = 0; j < BN / 8; ++j)
+                    for (int j = 0; j < NB / 8; ++j)
 #pragma unroll
                         for (int e = 0; e < 4; ++e)
                             if (8 * j + (e & 1) < lo[e >> 1]) sc[4 * j + e] = -INFINITY;
@@ -327,7 +358,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
             for (int a = 0; a < kAcc; ++a) mp[a] = -INFINITY;
 #pragma unroll
-            for (int j = 0; j < BN / 8; ++j)
+            for (int j = 0; j < NB / 8; ++j)
                 mp[j % kAcc] = fmaxf(mp[j % kAcc], fmaxf(sc[4 * j + 2 * r], sc[4 * j + 2 * r + 1]));
             float mx = fmaxf(fmaxf(mp[0], mp[1]), fmaxf(mp[2], mp[3]));
             mx = fmaxf(m[r], quad_max(mx) * s_mul); /* s_mul > 0: the max of the scaled scores */
@@ -337,7 +368,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
             for (int a = 0; a < kAcc; ++a) sp[a] = 0.f;
 #pragma unroll
-            for (int j = 0; j < BN / 8; ++j) {
+            for (int j = 0; j < NB / 8; ++j) {
                 sc[4 * j + 2 * r] = ex2(fmaf(sc[4 * j + 2 * r], s_mul, -m_use));
                 sc[4 * j + 2 * r + 1] = ex2(fmaf(sc[4 * j + 2 * r + 1], s_mul, -m_use));
                 sp[j % kAcc] += sc[4 * j + 2 * r] + sc[4 * j + 2 * r + 1];
@@ -345,6 +376,15 @@ __global__ void __launch_bounds__(kThreads, 1)
             l[r] = l[r] * corr[r] + ((sp[0] + sp[1]) + (sp[2] + sp[3]));
             m[r] = mx;
         }
+    };
+    auto softmax = [&](int it, int hc) {
+        if constexpr (BN == 128) {
+            if (hc != 0) {
+                softmax_n(ic<BN / 2>{}, it, hc);
+                return;
+            }
+        }
+        softmax_n(ic<BN>{}, it, 0);
     };
     /* Pins the P fragments: defined before the next wgmma.fence (no non-wgmma instruction
      * defines a wgmma input inside a pipeline stage, ptxas C7513), untouched until their MMA is
@@ -356,8 +396,24 @@ __global__ void __launch_bounds__(kThreads, 1)
             for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(pf[kk][e])::"memory");
     };
     /* P into A fragments. */
-    auto to_p = [&]() {
-        to_frags<T, BN>(pf, sc);
+    /* P into A fragments; a half tile's 64 columns go to fragments 0-3 (hc = 1) or 4-7 (hc = 2)
+     * and the others are zero. */
+    auto to_p = [&](int hc) {
+        if constexpr (BN == 128) {
+            if (hc == 1) {
+                to_frags<T, BN / 2>(pf, sc);
+#pragma unroll
+                for (int kk = BN / 32; kk < BN / 16; ++kk) pf[kk][0] = pf[kk][1] = pf[kk][2] = pf[kk][3] = 0u;
+            } else if (hc == 2) {
+                to_frags<T, BN / 2>(pf + BN / 32, sc);
+#pragma unroll
+                for (int kk = 0; kk < BN / 32; ++kk) pf[kk][0] = pf[kk][1] = pf[kk][2] = pf[kk][3] = 0u;
+            } else {
+                to_frags<T, BN>(pf, sc);
+            }
+        } else {
+            to_frags<T, BN>(pf, sc);
+        }
         fence_p();
     };
     /* O *= corr; skipped (lazy) when no row of the warp has a new maximum: corr is then exactly 1. */
@@ -429,9 +485,25 @@ __global__ void __launch_bounds__(kThreads, 1)
     item w_next;
     int qpos_next[2], qlo_next[2];
     float sink_next = -INFINITY;
+    int hc_first_next = 0, hc_last_next = 0;
     auto prefetch = [&](int t) {
         if (t >= n_items) return;
         w_next = item_at(t);
+        hc_first_next = hc_last_next = 0;
+        if (halves && !positions && w_next.n_it > 0) {
+            /* This warpgroup's rows wq0 .. wq0 + 63 see keys in [wklo, wkhi] only (first_key grows
+             * with the row); rows past Tq see none, and any half is exact for them. */
+            const int wq0 = w_next.q0 + 64 * cw;
+            int wklo = INT_MAX, wkhi = -1;
+            if (wq0 < p.Tq) {
+                wkhi = min(min(wq0 + 63, p.Tq - 1), p.Tk - 1);
+                wklo = first_key(p.cu_seqlens, p.n_cu, p.window, wq0);
+            }
+            const bool lo_first = wkhi < w_next.rng.kt_hi * BN + BN / 2; /* tile 0: keys 64-127 unseen */
+            const bool hi_last = wklo >= w_next.rng.kt_lo * BN + BN / 2; /* last tile: keys 0-63 unseen */
+            hc_first_next = lo_first ? 1 : (w_next.n_it == 1 && hi_last ? 2 : 0);
+            hc_last_next = w_next.n_it > 1 && hi_last ? 2 : 0;
+        }
 #pragma unroll
         for (int r = 0; r < 2; ++r) row_bounds(p, w_next.q0 + row0 + 8 * r, qpos_next[r], qlo_next[r]);
         if (has_sink) sink_next = __ldg(reinterpret_cast<const float *>(p.sink) + w_next.h) * kLog2e;
@@ -444,6 +516,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
         for (int r = 0; r < 2; ++r) qpos[r] = qpos_next[r], qlo[r] = qlo_next[r];
         const float sink_log2 = sink_next;
+        hc_first = hc_first_next;
+        hc_last = hc_last_next;
         m[0] = m[1] = sink_log2;
         l[0] = l[1] = (has_sink && tq == 0) ? 1.f : 0.f; /* counted once by the final quad sum */
         sm90::mbar_wait(bar_q(qb), (n / NQ) & 1);
@@ -457,13 +531,19 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (!PINGPONG) { /* serial schedule: each MMA batch waited for at once */
             for (int it = 0; it < n_it; ++it) {
                 const int s = slot(it);
+                const int hc = half_of(it);
                 sm90::mbar_wait(bar_k(s), phase(it));
-                issue_s(sQ, s);
-                sm90::wg_wait<0>();
+                if (hc != 0) {
+                    issue_s(sQ, s, ic<1>{}, hc);
+                    sm90::wg_wait<0>();
+                } else {
+                    issue_s(sQ, s, ic<0>{}, 0);
+                    sm90::wg_wait<0>();
+                }
                 sm90::fence_regs(sc, BN / 2);
                 release_k(s);
-                softmax(it);
-                to_p();
+                softmax(it, hc);
+                to_p(hc);
                 if (it > 0) rescale();
                 sm90::mbar_wait(bar_v(s), phase(it));
                 issue_pv(s, it > 0);
@@ -481,18 +561,28 @@ __global__ void __launch_bounds__(kThreads, 1)
             const int s0 = slot(0);
             sm90::mbar_wait(bar_k(s0), phase(0));
             sm90::named_sync(pp_me, 256);
-            issue_s(sQ, s0);
-            sm90::named_arrive(pp_other, 256);
-            sm90::wg_wait<0>();
+            if (hc_first != 0) {
+                issue_s(sQ, s0, ic<1>{}, hc_first);
+                sm90::named_arrive(pp_other, 256);
+                sm90::wg_wait<0>();
+            } else {
+                issue_s(sQ, s0, ic<0>{}, 0);
+                sm90::named_arrive(pp_other, 256);
+                sm90::wg_wait<0>();
+            }
             sm90::fence_regs(sc, BN / 2);
             release_k(s0);
-            softmax(0);
-            to_p();
-            for (int it = 1; it < n_it; ++it) {
+            softmax(0, hc_first);
+            to_p(hc_first);
+            /* One turn: S(it) and P(it-1) V(it-1); H = 1: tile it is the item's last and a high
+             * half for this warpgroup (only the last tile can be, so the loop runs the full shape
+             * and the last turn is chosen as a whole). */
+            auto turn = [&](int it, auto h) {
+                constexpr int H = decltype(h)::value;
                 const int s = slot(it), sp = slot(it - 1);
                 sm90::mbar_wait(bar_k(s), phase(it));
                 sm90::named_sync(pp_me, 256);
-                issue_s(sQ, s);
+                issue_s(sQ, s, h, 2);
                 if (it > 1) rescale(); /* O had P(it-2) V(it-2) added; the factor of tile it-1 */
                 sm90::mbar_wait(bar_v(sp), phase(it - 1));
                 issue_pv(sp, it > 1);
@@ -500,12 +590,17 @@ __global__ void __launch_bounds__(kThreads, 1)
                 sm90::wg_wait<1>(); /* S(it) done; P(it-1) V(it-1) may still run */
                 sm90::fence_regs(sc, BN / 2);
                 release_k(s);
-                softmax(it);
+                softmax_n(ic<H ? BN / 2 : BN>{}, it, H ? 2 : 0);
                 sm90::wg_wait<0>();
                 sm90::fence_regs(o, D / 2);
                 fence_p(); /* P(it-1) registers stay untouched until its MMA finished */
                 release_v(sp);
-                to_p();
+                to_p(H ? 2 : 0);
+            };
+            for (int it = 1; it < n_it - 1; ++it) turn(it, ic<0>{});
+            if (n_it > 1) {
+                if (BN == 128 && hc_last != 0) turn(n_it - 1, ic<1>{});
+                else turn(n_it - 1, ic<0>{});
             }
             const int sl = slot(n_it - 1);
             if (n_it > 1) rescale();
@@ -581,7 +676,7 @@ ncp_status launch_mode(const ncp_sink_attn_params &p, bool persistent, int flags
  * only). A/B baselines: NCP_SM90_FWD_FOLD=0 scales every tile's scores before the softmax,
  * NCP_SM90_FWD_OSTORE=0 has the consumers copy O out, NCP_SM90_FWD_EAGER_STORE=0 issues the TMA
  * store of O only when its Q buffer is needed again, NCP_SM90_FWD_LAZY=0 rescales O on every
- * tile. BENCHMARKS.md section 1. */
+ * tile, NCP_SM90_FWD_HALF=0 computes whole edge tiles. BENCHMARKS.md section 1. */
 template <typename T, int D> ncp_status launch_any(const ncp_sink_attn_params &p, cudaStream_t s) {
     const char *e = getenv("NCP_SM90_FWD_SCHED");
     bool pingpong = true;
@@ -595,7 +690,8 @@ template <typename T, int D> ncp_status launch_any(const ncp_sink_attn_params &p
         return v != nullptr && strcmp(v, "0") == 0;
     };
     const int flags = (off("NCP_SM90_FWD_FOLD") ? 0 : kFlagFold) | (off("NCP_SM90_FWD_OSTORE") ? 0 : kFlagOStore) |
-                      (off("NCP_SM90_FWD_LAZY") ? 0 : kFlagLazy) | (off("NCP_SM90_FWD_EAGER_STORE") ? 0 : kFlagEagerStore);
+                      (off("NCP_SM90_FWD_LAZY") ? 0 : kFlagLazy) | (off("NCP_SM90_FWD_EAGER_STORE") ? 0 : kFlagEagerStore) |
+                      (off("NCP_SM90_FWD_HALF") ? 0 : kFlagHalf);
     const char *es = getenv("NCP_SM90_FWD_STAGES");
     const bool three = es != nullptr && strcmp(es, "3") == 0;
     if (three)
