@@ -153,6 +153,8 @@ def bench_case(name, spec, *, flex: bool, reps: int, heat: float = 0.0, only: fr
                       "sm90 fwd, O copied out by the consumer threads (no TMA store)"))
         impls.append(("ncp-fwd-nohalf", leaves[3], {"NCP_SM90_FWD_HALF": "0"},
                       "sm90 fwd, every warpgroup computes whole edge tiles (no half tiles)"))
+        impls.append(("ncp-fwd-early", leaves[3], {"NCP_SM90_FWD_EARLY": "1"},
+                      "sm90 fwd, next item's S(0) with the last P V when its Q and K are loaded"))
     if _C.sink_attn_bwd_variant() == 4:
         impls.append(("ncp-sm90-dq-red", leaves[3], {"NCP_SM90_DQ": "red"}, "sm90 atomic-dQ bwd, per-thread reductions"))
         impls.append(("ncp-deterministic", leaves[3], {"NCP_DETERMINISTIC": "1"}, "sm90 deterministic bwd (dQ kernel)"))

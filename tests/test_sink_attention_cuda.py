@@ -34,7 +34,7 @@ def fwd_kernel(request, monkeypatch):
     portable mma.sync forward and backward (switches are read at each call)."""
     for var in ("NCP_FWD_VARIANT", "NCP_BWD_VARIANT", "NCP_SM90_FWD_SCHED", "NCP_SM90_FWD_PERSIST", "NCP_SM90_FWD_GRID",
                 "NCP_SM90_FWD_STAGES", "NCP_SM90_FWD_FOLD", "NCP_SM90_FWD_LAZY", "NCP_SM90_FWD_EAGER_STORE",
-                "NCP_SM90_FWD_OSTORE", "NCP_SM90_FWD_HALF",
+                "NCP_SM90_FWD_OSTORE", "NCP_SM90_FWD_HALF", "NCP_SM90_FWD_EARLY",
                 "NCP_SM90_BWD_OVERLAP", "NCP_DETERMINISTIC"):  # fmt: skip
         monkeypatch.delenv(var, raising=False)
     if request.param == "portable":
@@ -286,7 +286,7 @@ def test_cuda_half_tiles_match_whole_tiles(stages, sched, d, ncp_seed, monkeypat
     if _C.sink_attn_fwd_variant() != 4:
         pytest.skip("needs the Hopper forward (sm_90a build, compute capability 9.0)")
     for var in ("NCP_FWD_VARIANT", "NCP_SM90_FWD_PERSIST", "NCP_SM90_FWD_GRID", "NCP_SM90_FWD_HALF",
-                "NCP_SM90_FWD_LAZY", "NCP_SM90_FWD_OSTORE", "NCP_SM90_FWD_EAGER_STORE", "NCP_SM90_FWD_FOLD"):  # fmt: skip
+                "NCP_SM90_FWD_EARLY", "NCP_SM90_FWD_LAZY", "NCP_SM90_FWD_OSTORE", "NCP_SM90_FWD_EAGER_STORE", "NCP_SM90_FWD_FOLD"):  # fmt: skip
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("NCP_SM90_FWD_SCHED", sched)
     monkeypatch.setenv("NCP_SM90_FWD_STAGES", stages)
@@ -318,6 +318,11 @@ def test_cuda_half_tiles_match_whole_tiles(stages, sched, d, ncp_seed, monkeypat
             out, lse = ncp.sink_attention(*args, window=window, return_lse=True)
             msg = f"half tiles differ from whole tiles: lengths {lengths} window {window} grid {grid}"
             assert torch.equal(out, want) and torch.equal(lse, want_lse), msg
+            monkeypatch.setenv("NCP_SM90_FWD_EARLY", "1")
+            out_e, lse_e = ncp.sink_attention(*args, window=window, return_lse=True)
+            monkeypatch.delenv("NCP_SM90_FWD_EARLY")
+            msg = f"early S(0) differs: lengths {lengths} window {window} grid {grid}"
+            assert torch.equal(out_e, want) and torch.equal(lse_e, want_lse), msg
         if lengths == [130, 1000, 5, 700]:
             ref, ref_lse = attention_ref(*(t.double() for t in args[:4]), c["cu_seqlens"], window=window)
             lp, lp_lse = attention_ref(*args, window=window, upcast=False)

@@ -63,6 +63,8 @@ constexpr int kFlagOStore = 2; /* O stored by the producer with TMA from the sta
 constexpr int kFlagLazy = 4;   /* skip the O rescale of a warp whose row maxima did not change */
 constexpr int kFlagEagerStore = 8; /* with OStore: store an item's O as soon as its epilogue is done */
 constexpr int kFlagHalf = 16;  /* contiguous mode: a warpgroup skips the half of an edge tile its rows cannot see */
+constexpr int kFlagEarly = 32; /* ping-pong: the next item's S(0) goes with the last P V when its Q and K are loaded */
+constexpr int kEarlyBar = 5;   /* named barriers kEarlyBar, kEarlyBar + 1: the per-warpgroup vote on it */
 
 template <int N> struct ic { static constexpr int value = N; };
 
@@ -107,8 +109,11 @@ __global__ void __launch_bounds__(kThreads, 1)
      * the ping-pong MMAs (C7515) once the half-tile paths are in, so they are compiled out there. */
     constexpr bool kHalves = BN == 128 && !(D == 64 && kStages == 3);
     const bool halves = kHalves && (flags & kFlagHalf);
+    const bool early = PINGPONG && (flags & kFlagEarly);
     const int tid = threadIdx.x, wg = tid / 128, lane = tid & 31;
-    const bool positions = p.q_pos != nullptr;
+    /* The host launches BN = NCP_FWD_BN for positions mode and BN = 128 for contiguous mode, so
+     * other instantiations compile the positions paths out. */
+    const bool positions = BN == NCP_FWD_BN && p.q_pos != nullptr;
     /* Work items t = (q tile, head), heads fastest and the heavy (late) q tiles first; CTA b takes
      * b, b + gridDim.x, ... (one item each when the grid covers them all). */
     const int n_qt = (p.Tq + HBM - 1) / HBM, n_items = n_qt * p.Hq, group = p.Hq / p.Hkv;
@@ -509,6 +514,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (has_sink) sink_next = __ldg(reinterpret_cast<const float *>(p.sink) + w_next.h) * kLog2e;
     };
     prefetch(blockIdx.x);
+    bool early_s0 = false; /* this item's S(0) was issued and waited with the previous item's last P V */
     for (int t = blockIdx.x, n = 0; t < n_items; t += gridDim.x, ++n) {
         w = w_next;
         const int n_it = w.n_it, qb = n % NQ;
@@ -558,20 +564,22 @@ __global__ void __launch_bounds__(kThreads, 1)
             /* Ping-pong: one warpgroup's softmax runs while the other's MMAs occupy the tensor
              * cores; inside a warpgroup S(it) and P(it-1) V(it-1) are issued together and the
              * softmax of S(it) overlaps P(it-1) V(it-1). */
-            const int s0 = slot(0);
-            sm90::mbar_wait(bar_k(s0), phase(0));
-            sm90::named_sync(pp_me, 256);
-            if (hc_first != 0) {
-                issue_s(sQ, s0, ic<1>{}, hc_first);
-                sm90::named_arrive(pp_other, 256);
-                sm90::wg_wait<0>();
-            } else {
-                issue_s(sQ, s0, ic<0>{}, 0);
-                sm90::named_arrive(pp_other, 256);
-                sm90::wg_wait<0>();
+            if (!early_s0) {
+                const int s0 = slot(0);
+                sm90::mbar_wait(bar_k(s0), phase(0));
+                sm90::named_sync(pp_me, 256);
+                if (hc_first != 0) {
+                    issue_s(sQ, s0, ic<1>{}, hc_first);
+                    sm90::named_arrive(pp_other, 256);
+                    sm90::wg_wait<0>();
+                } else {
+                    issue_s(sQ, s0, ic<0>{}, 0);
+                    sm90::named_arrive(pp_other, 256);
+                    sm90::wg_wait<0>();
+                }
+                sm90::fence_regs(sc, BN / 2);
+                release_k(s0);
             }
-            sm90::fence_regs(sc, BN / 2);
-            release_k(s0);
             softmax(0, hc_first);
             to_p(hc_first);
             /* One turn: S(it) and P(it-1) V(it-1); H = 1: tile it is the item's last and a high
@@ -602,16 +610,48 @@ __global__ void __launch_bounds__(kThreads, 1)
                 if (BN == 128 && hc_last != 0) turn(n_it - 1, ic<1>{});
                 else turn(n_it - 1, ic<0>{});
             }
-            const int sl = slot(n_it - 1);
+            /* The last P V. early: when the next item's Q and first K tile are already loaded
+             * (tested without waiting; the warpgroup votes, so it decides as one), its S(0) is
+             * issued in the same turn and the next item starts at its softmax. S(0) takes one
+             * ping-pong turn either way, so the two warpgroups may decide differently. */
+            const int sl = slot(n_it - 1), tn = t + gridDim.x;
+            bool go = false;
+            const int qbn = (n + 1) % NQ, sn = (kv0 + n_it) % kStages;
+            if (early) {
+                prefetch(tn);
+                bool ready = tn < n_items && w_next.n_it > 0;
+                if (ready)
+                    ready = sm90::mbar_test(bar_q(qbn), (uint32_t)(((n + 1) / NQ) & 1)) &&
+                            sm90::mbar_test(bar_k(sn), (uint32_t)(((kv0 + n_it) / kStages) & 1));
+                go = sm90::named_and(kEarlyBar + cw, 128, ready);
+            }
             if (n_it > 1) rescale();
             sm90::mbar_wait(bar_v(sl), phase(n_it - 1));
-            issue_pv(sl, n_it > 1);
-            prefetch(t + gridDim.x);
-            sm90::wg_wait<0>();
+            if (go) {
+                sm90::named_sync(pp_me, 256);
+                if (hc_first_next != 0) {
+                    issue_pv(sl, n_it > 1);
+                    issue_s(q_buf(qbn), sn, ic<1>{}, hc_first_next);
+                    sm90::named_arrive(pp_other, 256);
+                    sm90::wg_wait<0>();
+                } else {
+                    issue_pv(sl, n_it > 1);
+                    issue_s(q_buf(qbn), sn, ic<0>{}, 0);
+                    sm90::named_arrive(pp_other, 256);
+                    sm90::wg_wait<0>();
+                }
+                sm90::fence_regs(sc, BN / 2);
+                release_k(sn);
+            } else {
+                issue_pv(sl, n_it > 1);
+                if (!early) prefetch(tn);
+                sm90::wg_wait<0>();
+            }
             sm90::fence_regs(o, D / 2);
             fence_p();
             release_v(sl);
             epilogue(qb);
+            early_s0 = go;
         }
         kv0 += n_it;
     }
@@ -689,9 +729,14 @@ template <typename T, int D> ncp_status launch_any(const ncp_sink_attn_params &p
         const char *v = getenv(name);
         return v != nullptr && strcmp(v, "0") == 0;
     };
+    auto on = [](const char *name) {
+        const char *v = getenv(name);
+        return v != nullptr && strcmp(v, "1") == 0;
+    };
     const int flags = (off("NCP_SM90_FWD_FOLD") ? 0 : kFlagFold) | (off("NCP_SM90_FWD_OSTORE") ? 0 : kFlagOStore) |
                       (off("NCP_SM90_FWD_LAZY") ? 0 : kFlagLazy) | (off("NCP_SM90_FWD_EAGER_STORE") ? 0 : kFlagEagerStore) |
-                      (off("NCP_SM90_FWD_HALF") ? 0 : kFlagHalf);
+                      (off("NCP_SM90_FWD_HALF") ? 0 : kFlagHalf) |
+                      (on("NCP_SM90_FWD_EARLY") ? kFlagEarly : 0);
     const char *es = getenv("NCP_SM90_FWD_STAGES");
     const bool three = es != nullptr && strcmp(es, "3") == 0;
     if (three)
