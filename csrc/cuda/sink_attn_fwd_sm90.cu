@@ -112,8 +112,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     const bool early = PINGPONG && (flags & kFlagEarly);
     const int tid = threadIdx.x, wg = tid / 128, lane = tid & 31;
     /* The host launches BN = NCP_FWD_BN for positions mode and BN = 128 for contiguous mode, so
-     * other instantiations compile the positions paths out. */
-    const bool positions = BN == NCP_FWD_BN && p.q_pos != nullptr;
+     * the D = 128 contiguous instantiations compile the positions paths out (with them, ptxas
+     * spilled 16 bytes there). At D = 64 they stay: without them ptxas serialized the MMAs (C7511). */
+    const bool positions = (D == 64 || BN == NCP_FWD_BN) && p.q_pos != nullptr;
     /* Work items t = (q tile, head), heads fastest and the heavy (late) q tiles first; CTA b takes
      * b, b + gridDim.x, ... (one item each when the grid covers them all). */
     const int n_qt = (p.Tq + HBM - 1) / HBM, n_items = n_qt * p.Hq, group = p.Hq / p.Hkv;
