@@ -8,7 +8,13 @@ Every implementation is checked against ours (and ours against the float64 oracl
 before timing.
 
     python benchmarks/bench_sink_attention.py [--quick] [--json out.json] [--cases a,b] [--no-flex]
-        [--impls ncp,ncp-nosink,...] [--interleave] [--reps N] [--heat S]
+        [--impls ncp,ncp-nosink,...] [--interleave] [--queued] [--reps N] [--heat S]
+
+--queued queues a GPU spin before each timed call (common.queue_gap), so the host's work for the
+call (checks, allocations, launches) overlaps it and the events time the GPU work alone, as in a
+training step that keeps the queue full. Without it the GPU is idle at the start event and the
+host's work counts. With --queued the first row's forward is also timed the other way, for the
+difference, and that time goes into the note ("idle-GPU fwd").
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import env_record, print_table, time_cuda, write_json  # noqa: E402
+from common import env_record, print_table, queue_gap, time_cuda, write_json  # noqa: E402
 
 import nemo_cp_native as ncp  # noqa: E402
 from nemo_cp_native.testing_attention import attention_flops, doc_lengths, make_attention_case  # noqa: E402
@@ -85,9 +91,12 @@ def _env(env: dict):
                 os.environ[key] = val
 
 
-def _time_once(fn) -> float:
-    """Milliseconds of one call of fn on the current stream (CUDA events)."""
+def _time_once(fn, queued: bool = False) -> float:
+    """Milliseconds of one call of fn on the current stream (CUDA events); queued: after a GPU spin
+    (see the module docstring)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    if queued:
+        queue_gap()
     start.record()
     fn()
     end.record()
@@ -112,7 +121,7 @@ def _heat(seconds: float, fn) -> None:
 
 
 def bench_case(name, spec, *, flex: bool, reps: int, heat: float = 0.0, only: frozenset = frozenset(),
-               interleave: bool = False) -> list[dict]:  # fmt: skip
+               interleave: bool = False, queued: bool = False) -> list[dict]:  # fmt: skip
     total, doc_len, hq, hkv, d, window = spec
     lengths = doc_lengths(total, f"equal:{doc_len}")
     g = torch.Generator().manual_seed(1234)
@@ -190,17 +199,23 @@ def bench_case(name, spec, *, flex: bool, reps: int, heat: float = 0.0, only: fr
             for r in range(n + 2):  # 2 warm-up rounds
                 for impl, env, _note, *fns in runs[r % len(runs) :] + runs[: r % len(runs)]:
                     with _env(env):
-                        ms = _time_once(fns[which])
+                        ms = _time_once(fns[which], queued)
                     if r >= 2:
                         times[impl][which].append(ms)
+        if queued:  # the first row's forward on an idle GPU too: the host's share of a call
+            with _env(runs[0][1]):
+                cold = time_cuda(runs[0][3], reps=reps)
+            runs[0] = (runs[0][0], runs[0][1], runs[0][2] + f"; idle-GPU fwd {cold:.3f} ms") + runs[0][3:]
         for impl, _env_, note, *_ in runs:
             f, b = times[impl]
-            record(impl, statistics.median(f), statistics.median(b), note + f"; interleaved x{len(f)}")
+            record(impl, statistics.median(f), statistics.median(b),
+                   note + f"; interleaved x{len(f)}" + ("; queued" if queued else ""))  # fmt: skip
     else:
         for impl, env, note, fwd, fwdbwd in runs:
             with _env(env):
                 _heat(heat, fwdbwd)
-                record(impl, time_cuda(fwd, reps=reps), time_cuda(fwdbwd, reps=max(3, reps // 2)), note)
+                record(impl, time_cuda(fwd, reps=reps, queued=queued),
+                       time_cuda(fwdbwd, reps=max(3, reps // 2), queued=queued), note + ("; queued" if queued else ""))
 
     # ---- FlexAttention + sink correction -------------------------------------------------
     if flex and (not only or "flex+sink" in only):
@@ -221,8 +236,9 @@ def bench_case(name, spec, *, flex: bool, reps: int, heat: float = 0.0, only: fr
 
             _heat(heat, ffb)
 
-            record("flex+sink", time_cuda(ffwd, reps=reps), time_cuda(ffb, reps=max(3, reps // 2)),
-                   f"max|flex-ncp|={err:.3g}")  # fmt: skip
+            record("flex+sink", time_cuda(ffwd, reps=reps, queued=queued),
+                   time_cuda(ffb, reps=max(3, reps // 2), queued=queued),
+                   f"max|flex-ncp|={err:.3g}" + ("; queued" if queued else ""))  # fmt: skip
         except Exception as exc:  # noqa: BLE001 - report, keep benchmarking
             rows.append({"case": name, "impl": "flex+sink", "note": f"failed: {type(exc).__name__}: {exc}"[:200]})
 
@@ -242,7 +258,8 @@ def bench_case(name, spec, *, flex: bool, reps: int, heat: float = 0.0, only: fr
 
         try:
             _heat(heat, sfb)
-            record("sdpa(no sink)", time_cuda(sfwd, reps=reps), time_cuda(sfb, reps=max(3, reps // 2)))
+            record("sdpa(no sink)", time_cuda(sfwd, reps=reps, queued=queued),
+                   time_cuda(sfb, reps=max(3, reps // 2), queued=queued), "queued" if queued else "")
         except Exception as exc:  # noqa: BLE001
             rows.append({"case": name, "impl": "sdpa(no sink)", "note": f"failed: {exc}"[:200]})
     return rows
@@ -258,6 +275,8 @@ def main(argv=None):
     ap.add_argument("--impls", default="", help="comma list of implementation rows (default: all; sdpa for sdpa(no sink))")
     ap.add_argument("--interleave", action="store_true",
                     help="time our implementations round robin (one call each per round), medians over rounds")
+    ap.add_argument("--queued", action="store_true",
+                    help="queue a GPU spin before each timed call so the host's launch work is not timed")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available() or not ncp.has_cuda():
@@ -271,7 +290,7 @@ def main(argv=None):
     for name, spec in cases.items():
         only = frozenset(args.impls.split(",")) if args.impls else frozenset()
         new = bench_case(name, spec, flex=not args.no_flex, reps=args.reps, heat=args.heat, only=only,
-                         interleave=args.interleave)  # fmt: skip
+                         interleave=args.interleave, queued=args.queued)  # fmt: skip
         rows += new
         print_table(new, ["case", "impl", "fwd_ms", "fwd_tflops", "fwdbwd_ms", "fwdbwd_tflops", "note"])
         sys.stdout.flush()

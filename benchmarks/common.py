@@ -23,7 +23,7 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
-__all__ = ["env_record", "git_commit", "time_cpu", "time_cuda", "write_json", "print_table"]
+__all__ = ["env_record", "git_commit", "queue_gap", "time_cpu", "time_cuda", "write_json", "print_table"]
 
 
 def git_commit() -> str:
@@ -66,8 +66,24 @@ def _flush_l2():
     _FLUSH.zero_()
 
 
-def time_cuda(fn, *, warmup: int = 3, reps: int = 20, flush_l2: bool = False) -> float:
-    """Median milliseconds of ``fn()`` on the current stream, timed with CUDA events."""
+# GPU cycles of the spin queued ahead of a timed call (queued=True): about 0.5 ms at the H200's
+# 1.98 GHz, longer than the host work of one attention call, so that work overlaps the spin.
+QUEUE_GAP_CYCLES = 1_000_000
+
+
+def queue_gap() -> None:
+    """Keeps the GPU busy (torch.cuda._sleep) while the host launches the timed call's kernels."""
+    torch.cuda._sleep(QUEUE_GAP_CYCLES)
+
+
+def time_cuda(fn, *, warmup: int = 3, reps: int = 20, flush_l2: bool = False, queued: bool = False) -> float:
+    """Median milliseconds of ``fn()`` on the current stream, timed with CUDA events.
+
+    queued=False: the GPU is idle when the start event is recorded, so the host's work between the
+    start event and the first kernel (argument checks, allocations, launch) counts. This is the
+    time of a call on an idle GPU. queued=True: a GPU spin is queued first (queue_gap), so the host
+    launches while it runs. This is the GPU time of the call, as when a training step keeps the
+    queue full."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -76,6 +92,8 @@ def time_cuda(fn, *, warmup: int = 3, reps: int = 20, flush_l2: bool = False) ->
         if flush_l2:
             _flush_l2()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if queued:
+            queue_gap()
         start.record()
         fn()
         end.record()
