@@ -401,7 +401,6 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
             for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(pf[kk][e])::"memory");
     };
-    /* P into A fragments. */
     /* P into A fragments; a half tile's 64 columns go to fragments 0-3 (hc = 1) or 4-7 (hc = 2)
      * and the others are zero. */
     auto to_p = [&](int hc) {
@@ -717,7 +716,9 @@ ncp_status launch_mode(const ncp_sink_attn_params &p, bool persistent, int flags
  * only). A/B baselines: NCP_SM90_FWD_FOLD=0 scales every tile's scores before the softmax,
  * NCP_SM90_FWD_OSTORE=0 has the consumers copy O out, NCP_SM90_FWD_EAGER_STORE=0 issues the TMA
  * store of O only when its Q buffer is needed again, NCP_SM90_FWD_LAZY=0 rescales O on every
- * tile, NCP_SM90_FWD_HALF=0 computes whole edge tiles. BENCHMARKS.md section 1. */
+ * tile, NCP_SM90_FWD_HALF=0 computes whole edge tiles. NCP_SM90_FWD_EARLY=1 (off by default:
+ * -0.5 to -0.7% at 27498c3) issues the next item's S(0) with the last P V when its loads are in.
+ * BENCHMARKS.md section 1. */
 template <typename T, int D> ncp_status launch_any(const ncp_sink_attn_params &p, cudaStream_t s) {
     const char *e = getenv("NCP_SM90_FWD_SCHED");
     bool pingpong = true;
