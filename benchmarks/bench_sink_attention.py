@@ -129,6 +129,7 @@ def bench_case(name, spec, *, flex: bool, reps: int, heat: float = 0.0, only: fr
     q, k, v, sink, cu = c["q"], c["k"], c["v"], c["sink"], c["cu_seqlens"]
     dout = torch.randn(q.shape, generator=g).to("cuda", torch.bfloat16)
     fwd_flops = attention_flops(lengths, window, hq, d)
+    qtag = "; queued" if queued else ""  # appended to every row's note
     rows = []
 
     def record(impl, fwd_ms, fb_ms, note=""):
@@ -209,13 +210,13 @@ def bench_case(name, spec, *, flex: bool, reps: int, heat: float = 0.0, only: fr
         for impl, _env_, note, *_ in runs:
             f, b = times[impl]
             record(impl, statistics.median(f), statistics.median(b),
-                   note + f"; interleaved x{len(f)}" + ("; queued" if queued else ""))  # fmt: skip
+                   note + f"; interleaved x{len(f)}" + qtag)  # fmt: skip
     else:
         for impl, env, note, fwd, fwdbwd in runs:
             with _env(env):
                 _heat(heat, fwdbwd)
                 record(impl, time_cuda(fwd, reps=reps, queued=queued),
-                       time_cuda(fwdbwd, reps=max(3, reps // 2), queued=queued), note + ("; queued" if queued else ""))
+                       time_cuda(fwdbwd, reps=max(3, reps // 2), queued=queued), note + qtag)
 
     # ---- FlexAttention + sink correction -------------------------------------------------
     if flex and (not only or "flex+sink" in only):
@@ -238,7 +239,7 @@ def bench_case(name, spec, *, flex: bool, reps: int, heat: float = 0.0, only: fr
 
             record("flex+sink", time_cuda(ffwd, reps=reps, queued=queued),
                    time_cuda(ffb, reps=max(3, reps // 2), queued=queued),
-                   f"max|flex-ncp|={err:.3g}" + ("; queued" if queued else ""))  # fmt: skip
+                   f"max|flex-ncp|={err:.3g}" + qtag)  # fmt: skip
         except Exception as exc:  # noqa: BLE001 - report, keep benchmarking
             rows.append({"case": name, "impl": "flex+sink", "note": f"failed: {type(exc).__name__}: {exc}"[:200]})
 
@@ -259,7 +260,7 @@ def bench_case(name, spec, *, flex: bool, reps: int, heat: float = 0.0, only: fr
         try:
             _heat(heat, sfb)
             record("sdpa(no sink)", time_cuda(sfwd, reps=reps, queued=queued),
-                   time_cuda(sfb, reps=max(3, reps // 2), queued=queued), "queued" if queued else "")
+                   time_cuda(sfb, reps=max(3, reps // 2), queued=queued), qtag[2:])
         except Exception as exc:  # noqa: BLE001
             rows.append({"case": name, "impl": "sdpa(no sink)", "note": f"failed: {exc}"[:200]})
     return rows

@@ -30,8 +30,8 @@ def fwd_kernel(request, monkeypatch):
     of 7 CTAs (many work items each) with the deterministic Hopper backward, on the ping-pong Hopper
     forward with one CTA per work item, a 3-stage K/V ring, O copied out by the consumer threads
     (not the producer's TMA store), whole edge tiles (no half tiles) and the deterministic dK/dV
-    kernel with MMA overlap, and on the
-    portable mma.sync forward and backward (switches are read at each call)."""
+    kernel with MMA overlap, and on the portable mma.sync forward and backward (switches are read
+    at each call)."""
     for var in ("NCP_FWD_VARIANT", "NCP_BWD_VARIANT", "NCP_SM90_FWD_SCHED", "NCP_SM90_FWD_PERSIST", "NCP_SM90_FWD_GRID",
                 "NCP_SM90_FWD_STAGES", "NCP_SM90_FWD_FOLD", "NCP_SM90_FWD_LAZY", "NCP_SM90_FWD_EAGER_STORE",
                 "NCP_SM90_FWD_OSTORE", "NCP_SM90_FWD_HALF", "NCP_SM90_FWD_EARLY",
@@ -281,8 +281,9 @@ def test_cuda_half_tiles_match_whole_tiles(stages, sched, d, ncp_seed, monkeypat
     diagonal tile is a low half), aligned windows of 513 (both warpgroups take a half tile),
     windows whose far tile the second warpgroup cannot see at all (449, 385), documents that start
     inside a q tile, and a last q tile whose second warpgroup has no rows (Tq % 128 < 64); with one
-    CTA per item and on a persistent grid of 5. Also the default (half tiles) against the fp64
-    oracle on the unaligned case."""
+    CTA per item and on a persistent grid of 5. The same bits with NCP_SM90_FWD_EARLY=1 (the next
+    item's S(0) issued with the last P V). Also the default (half tiles) against the fp64 oracle
+    on the unaligned case."""
     if _C.sink_attn_fwd_variant() != 4:
         pytest.skip("needs the Hopper forward (sm_90a build, compute capability 9.0)")
     for var in ("NCP_FWD_VARIANT", "NCP_SM90_FWD_PERSIST", "NCP_SM90_FWD_GRID", "NCP_SM90_FWD_HALF",
