@@ -95,7 +95,7 @@ class NcpBuildExt(build_ext):
         super().build_extensions()
 
     def _compile_cuda(self, nvcc: str, archs: str, debug: bool) -> list[str]:
-        sources = sorted(glob.glob(os.path.join(CSRC, "cuda", "*.cu")))
+        sources = sorted(glob.glob(os.path.join(CSRC, "cuda", "**", "*.cu"), recursive=True))
         headers = sorted(glob.glob(os.path.join(CSRC, "**", "*.h"), recursive=True)
                          + glob.glob(os.path.join(CSRC, "**", "*.cuh"), recursive=True))
         # Relative include paths and cwd=ROOT keep the cache key independent of where the tree lives.
@@ -122,7 +122,8 @@ class NcpBuildExt(build_ext):
             key.update(hdr.digest())
             key.update(" ".join(flags).encode())
             key.update(version.encode())
-            obj = os.path.join(outdir, f"{os.path.basename(src)[:-3]}-{key.hexdigest()[:16]}.o")
+            name = os.path.relpath(src, os.path.join(CSRC, "cuda"))[:-3].replace(os.sep, "_")
+            obj = os.path.join(outdir, f"{name}-{key.hexdigest()[:16]}.o")
             jobs.append((src, obj))
         todo = [(s, o) for s, o in jobs if not os.path.exists(o)]
         n_jobs = int(os.environ.get("NCP_NVCC_JOBS", os.cpu_count() or 1))
@@ -137,7 +138,7 @@ class NcpBuildExt(build_ext):
             if verbose:
                 rep = os.path.join(ROOT, "build", "ncp_ptxas")
                 os.makedirs(rep, exist_ok=True)
-                with open(os.path.join(rep, os.path.basename(src) + ".txt"), "w") as f:
+                with open(os.path.join(rep, os.path.relpath(src, os.path.join(CSRC, "cuda")).replace(os.sep, "_") + ".txt"), "w") as f:
                     f.write(res.stderr)
             os.replace(obj + ".tmp", obj)
             return src

@@ -27,7 +27,7 @@ CASES = {name: _ALL_CASES[name] for name in ("flint-8k-causal", "flint-8k-w513",
 
 def _case(spec):
     import nemo_cp_native as ncp  # noqa: F401
-    from nemo_cp_native.testing_attention import attention_flops, doc_lengths, make_attention_case
+    from nemo_cp_native.testing import attention_flops, doc_lengths, make_attention_case
 
     total, doc_len, hq, hkv, d, window = spec
     lengths = doc_lengths(total, f"equal:{doc_len}")

@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import env_record, print_table, queue_gap, time_cuda, write_json  # noqa: E402
 
 import nemo_cp_native as ncp  # noqa: E402
-from nemo_cp_native.testing_attention import attention_flops, doc_lengths, make_attention_case  # noqa: E402
+from nemo_cp_native.testing import attention_flops, doc_lengths, make_attention_case  # noqa: E402
 
 # name: (total tokens, doc length, Hq, Hkv, D, window)
 CASES = {

@@ -22,6 +22,7 @@ from types import SimpleNamespace
 import torch
 
 import nemo_cp_native as ncp
+from nemo_cp_native import testing
 
 
 def _ms(fn, reps=5, cuda=False):
@@ -61,7 +62,7 @@ def info() -> int:
 
 
 def _demo_mimo(dev, quick):
-    from ._mesh_fake import fake_mesh
+    from .testing import fake_mesh
     from .reference import mimo as ref
     from .testing import make_mimo_batch
 
@@ -88,7 +89,7 @@ def _demo_mimo(dev, quick):
 def _demo_attention(dev, quick):
     from .reference.sink_attention import attention_ref
     from .reference.tolerance import assert_close_to_ref
-    from .testing_attention import doc_lengths, make_attention_case
+    from .testing import doc_lengths, make_attention_case
 
     rows = []
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -118,14 +119,14 @@ def _demo_flint(dev, quick):
     from . import flint
     from .reference import cp_attention as rcp
     from .reference import magi as rmagi
-    from .testing_attention import doc_lengths, make_attention_case, pack_documents
+    from .testing import doc_lengths, make_attention_case, pack_documents
 
     rows = []
     cfg = SimpleNamespace(num_attention_heads=32, num_key_value_heads=4, head_dim=128, sliding_window=513,
                           magi_chunk_size=512)  # fmt: skip
     g = torch.Generator().manual_seed(2)
     cu = pack_documents(doc_lengths(32768 if quick else 131072, "random", mean=4096, generator=g))
-    grp = flint.SimulatedGroup(8, 0)
+    grp = testing.SimulatedGroup(8, 0)
     same = flint._build_magi_plan(cu, cfg, grp).keys[0].local_token_global_indices.equal(
         rmagi.dispatch(cu, 8, 512).local_token_global_indices(0))
     rows.append((f"Magi plan T={int(cu[-1])} cp=8 (C plan vs Python solver)", same,
@@ -137,13 +138,13 @@ def _demo_flint(dev, quick):
     lengths = doc_lengths(700 if dev.type == "cpu" else 4000, "random", mean=200, generator=g)
     c = make_attention_case(lengths, 4, 2, 64, dtype=dtype, device=dev, generator=g)
     cuh = c["cu_seqlens"].cpu()
-    plans = [flint._build_magi_plan(cuh, small, flint.SimulatedGroup(4, r)) for r in range(4)]
+    plans = [flint._build_magi_plan(cuh, small, testing.SimulatedGroup(4, r)) for r in range(4)]
     dsp = rmagi.dispatch(cuh, 4, 64)
     for window in (0, 65):
         dout = torch.randn(c["q"].shape, generator=g).to(dev, dtype)
         ref = rcp.cp_attention_ref(c["q"], c["k"], c["v"], c["sink"], cuh, dout, dsp, 4, window=window)
         loc = [[rcp.local_rows(t, dsp, r) for r in range(4)] for t in (c["q"], c["k"], c["v"], dout)]
-        run = lambda: flint.simulate_cp_attention(plans, loc[0], loc[1], loc[2], c["sink"], window, 0.125, loc[3])  # noqa: E731
+        run = lambda: testing.simulate_cp_attention(plans, loc[0], loc[1], loc[2], c["sink"], window, 0.125, loc[3])  # noqa: E731
         outs, grads = run()
         err = max(float((outs[r].double() - ref.ranks[r].out).abs().max()) for r in range(4))
         tol = 0.05 if dtype == torch.bfloat16 else 1e-4

@@ -1,35 +1,48 @@
 """The bridge to the native extension: DLPack capsules, streams, build facts.
 
 Every native call passes tensors as DLPack capsules that the C side borrows for the length of
-the call (``t.detach().__dlpack__(...)``) and the caller's current CUDA stream as an int; the C
-side launches on that stream and nowhere else, so no producer/consumer sync is ever needed.
+the call (``torch.utils.dlpack.to_dlpack``, which exports without a copy, a sync or a stream
+hand-off) and the caller's current CUDA stream as an int; the C side launches on that stream and
+nowhere else, so no producer/consumer sync is ever needed.
 """
 
 from __future__ import annotations
 
 import torch
+from torch.utils.dlpack import to_dlpack
 
 from . import _C
 
 Fallback = _C.Fallback
 
-__all__ = ["Fallback", "build_info", "dl", "has_cuda", "stream_of"]
+__all__ = ["Fallback", "build_info", "dl", "dl_named", "has_cuda", "stream_of"]
 
 
 def dl(t: torch.Tensor | None):
     """A DLPack capsule borrowing ``t`` (None stays None)."""
     if t is None:
         return None
-    t = t.detach()
-    if t.device.type == "cuda":
-        return t.__dlpack__(stream=-1)
-    return t.__dlpack__()
+    return to_dlpack(t)
+
+
+def dl_named(name: str, t: torch.Tensor | None):
+    """``dl(t)``, with a ValueError naming the argument for tensors DLPack cannot carry (meta)."""
+    if t is None:
+        return None
+    if t.device.type == "meta":
+        raise ValueError(f"{name} is a meta tensor; nemo_cp_native needs real data on the CPU or a CUDA device")
+    return to_dlpack(t)
+
+
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 def stream_of(device: torch.device) -> int | None:
     """The caller's current CUDA stream on ``device`` as an int, or None for the CPU."""
     if device.type != "cuda":
         return None
+    if _raw_stream is not None:
+        return _raw_stream(device.index if device.index is not None else torch.cuda.current_device())
     return torch.cuda.current_stream(device).cuda_stream
 
 
@@ -39,5 +52,5 @@ def has_cuda() -> bool:
 
 
 def build_info() -> dict:
-    """What this build contains: CUDA on/off, target archs, kernel tile sizes."""
+    """What this build contains: CUDA on/off and the target archs."""
     return dict(_C.build_info())

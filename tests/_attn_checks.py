@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["check_dsink", "d_rounding_allowance", "guarded", "guards_intact", "tile_schedule_brute_force"]
+__all__ = ["check_dsink", "d_rounding_allowance", "guarded", "guards_intact"]
 
 GUARD = 7.0  # the pattern in the padding around a poisoned buffer (exact in every float dtype)
 
@@ -68,16 +68,3 @@ def guarded(shape, dtype, fill, device="cpu", pad=1024):
 def guards_intact(buf, pad) -> bool:
     """True when the head and tail padding of a ``guarded`` buffer still hold ``GUARD``."""
     return bool((buf[:pad] == GUARD).all()) and bool((buf[-pad:] == GUARD).all())
-
-
-def tile_schedule_brute_force(mask: torch.Tensor, bm: int, bn: int) -> list[list[tuple[int, int]]]:
-    """The positions-mode tile schedule by brute force, from the [rows, keys] visibility mask:
-    (q tile, kv tile) listed iff it holds a visible pair; full iff the tile is complete (bm x bn)
-    and every pair is visible (pad rows see nothing, so they are never full)."""
-    L, Lkv = mask.shape
-    nq, nk = -(-L // bm), -(-Lkv // bn)
-    padded = torch.zeros(nq * bm, nk * bn, dtype=torch.bool)
-    padded[:L, :Lkv] = mask.cpu()
-    blocks = padded.reshape(nq, bm, nk, bn)
-    anyv, allv = blocks.any(3).any(1), blocks.all(3).all(1)
-    return [[(k, int(allv[t, k])) for k in range(nk) if anyv[t, k]] for t in range(nq)]

@@ -59,3 +59,36 @@ def test_size_and_header_comment(path):
     text = path.read_text()
     assert text.lstrip().startswith("/*"), f"{path} has no header comment"
     assert len(text.splitlines()) <= 800, f"{path} is longer than 800 lines"
+
+
+def _function_bodies(code: str):
+    """(name, first line, line count) of every brace-delimited function definition in code."""
+    for m in re.finditer(r"\b(\w+)\s*\([^;{}]*\)\s*(?:const\s*)?\{", code):
+        if m.group(1) in ("if", "for", "while", "switch", "do", "catch"):
+            continue
+        depth, i = 0, m.end() - 1
+        while i < len(code):
+            depth += {"{": 1, "}": -1}.get(code[i], 0)
+            if depth == 0:
+                break
+            i += 1
+        start = code.count("\n", 0, m.start()) + 1
+        yield m.group(1), start, code.count("\n", m.end(), i) + 1
+
+
+@pytest.mark.parametrize("path", [p for p in SOURCES if p.suffix in (".cu", ".cuh")], ids=lambda p: str(p.relative_to(CSRC)))
+def test_kernels_are_at_most_150_lines(path):
+    """Kernels are composed of named parts (STYLE.md item 15, DESIGN.md section 7)."""
+    code = _code(path)
+    for m in re.finditer(r"__global__[^{;]*?\b(\w+)\s*\(", code):
+        body = code[m.start():]
+        for name, start, n in _function_bodies(body):
+            assert n <= 150, f"{path.name}: kernel {name} has {n} lines"
+            break
+
+
+def test_no_runtime_switch_matrix():
+    """At most three getenv calls in csrc: the kernels take no environment switches (the test
+    hooks are one struct set from Python, read once per call)."""
+    n = sum(_code(p).count("getenv") for p in SOURCES)
+    assert n <= 3, f"{n} getenv calls in csrc"

@@ -22,7 +22,7 @@ from _mesh import run_distributed
 from nemo_cp_native import flint
 from nemo_cp_native.reference import cp_attention as rcp
 from nemo_cp_native.reference import magi as rmagi
-from nemo_cp_native.testing_attention import doc_lengths, pack_documents
+from nemo_cp_native.testing import doc_lengths, pack_documents
 
 pytestmark = pytest.mark.dist
 

@@ -6,7 +6,7 @@
 2. Exchange: each rank receives exactly the remote keys its queries can see
    (``reference.magi.visible_remote_tokens``), senders send exactly that, the K/V buffer is
    local ∪ received sorted by position.
-3. Tile schedules: the CSR lists decoded against a brute-force mask (spec §4.8, DESIGN §5).
+3. Row bounds: the per-row buffer ranges the kernels read, against a brute-force mask (DESIGN §5).
 4. Bad input: clear exceptions (asserted by message).
 5. ``simulate_cp_attention`` on the CPU in fp32 against the float64 whole-sequence oracle.
 """
@@ -21,12 +21,11 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from nemo_cp_native import flint
+from nemo_cp_native import flint, testing
 from nemo_cp_native.reference import cp_attention as rcp
 from nemo_cp_native.reference import magi as rmagi
-from nemo_cp_native.testing_attention import doc_lengths, make_attention_case, pack_documents
+from nemo_cp_native.testing import doc_lengths, make_attention_case, pack_documents
 
-from _attn_checks import tile_schedule_brute_force
 
 HYP = settings(max_examples=40, deadline=None, database=None,
                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])  # fmt: skip
@@ -44,7 +43,7 @@ def config(window=0, chunk=512, hq=4, hkv=2, d=16):
 
 
 def all_plans(cu, cp, cfg):
-    return [flint._build_magi_plan(cu, cfg, flint.SimulatedGroup(cp, r)) for r in range(cp)]
+    return [flint._build_magi_plan(cu, cfg, testing.SimulatedGroup(cp, r)) for r in range(cp)]
 
 
 packs = st.lists(st.integers(1, 300), min_size=1, max_size=8)
@@ -78,7 +77,7 @@ def test_partition_equals_oracle(lengths, cp, chunk, window):
             assert key.total_seqlen_q % (key.chunk_size * cp) == 0 and idx.numel() * cp == key.total_seqlen_q
         seen.append(expected)
     assert torch.equal(torch.cat(seen).sort().values, torch.arange(ref.total_seqlen_padded))  # once each
-    again = flint._build_magi_plan(cu.clone(), config(window, chunk), flint.SimulatedGroup(cp, cp - 1))
+    again = flint._build_magi_plan(cu.clone(), config(window, chunk), testing.SimulatedGroup(cp, cp - 1))
     for w in (0, window):
         a, b = again.keys[w], plans[-1].keys[w]
         for name in ("local_token_global_indices", "send_idx", "recv_pos", "kv_pos", "kv_src"):
@@ -92,12 +91,12 @@ def test_partition_equals_oracle(lengths, cp, chunk, window):
 def test_pack_too_short_for_cp_raises_like_the_oracle(lengths, cp):
     cu = pack_documents(lengths)
     if sum(lengths) >= cp:
-        flint._build_magi_plan(cu, config(), flint.SimulatedGroup(cp, 0))
+        flint._build_magi_plan(cu, config(), testing.SimulatedGroup(cp, 0))
         return
     with pytest.raises(ValueError, match="fewer than cp_size"):
         rmagi.dispatch(cu, cp, 512)
     with pytest.raises(ValueError, match=f"too short for cp_size={cp}"):
-        flint._build_magi_plan(cu, config(), flint.SimulatedGroup(cp, 0))
+        flint._build_magi_plan(cu, config(), testing.SimulatedGroup(cp, 0))
 
 
 def test_worked_vectors(monkeypatch):
@@ -116,7 +115,7 @@ def test_worked_vectors(monkeypatch):
     assert (k.chunk_size, k.total_seqlen_q, k.cp_size) == (13, 104, 1)
     assert k.local_token_global_indices.tolist() == list(range(104))
     # Chunk cap: ceil(45 / 32) = 2 with a request of 4, padded to 48.
-    k = flint._build_magi_plan(pack_documents([30, 15]), config(chunk=4), flint.SimulatedGroup(4, 0)).keys[0]
+    k = flint._build_magi_plan(pack_documents([30, 15]), config(chunk=4), testing.SimulatedGroup(4, 0)).keys[0]
     assert (k.chunk_size, k.total_seqlen, k.total_seqlen_q) == (2, 45, 48)
     # No window configured: only the full-causal key.
     assert list(flint._build_magi_plan(pack_documents([8]), config(window=0), None).keys) == [0]
@@ -131,7 +130,7 @@ def test_min_chunks_env_matches_oracle(lengths, cp, mcr, monkeypatch):
         ref = rmagi.dispatch(cu, cp, 64, min_chunks_per_rank=mcr)
     except ValueError:  # fewer chunks than ranks: the C build must refuse it too
         with pytest.raises(ValueError, match="too short for cp_size"):
-            flint._build_magi_plan(cu, config(chunk=64), flint.SimulatedGroup(cp, 0))
+            flint._build_magi_plan(cu, config(chunk=64), testing.SimulatedGroup(cp, 0))
         return
     for r, plan in enumerate(all_plans(cu, cp, config(chunk=64))):
         assert torch.equal(plan.keys[0].local_token_global_indices, ref.local_token_global_indices(r))
@@ -177,12 +176,7 @@ def test_exchange_is_minimal_and_consistent(lengths, cp, chunk, window):
         assert torch.equal(plans[0].keys[window].recv_pos, plans[0].keys[0].recv_pos)
 
 
-# ============================================================================ 3. tile schedules
-
-
-def _decode(off: torch.Tensor, ent: torch.Tensor) -> list[list[tuple[int, int]]]:
-    o, e = off.tolist(), ent.tolist()
-    return [[(x >> 1, x & 1) for x in e[o[t] : o[t + 1]]] for t in range(len(o) - 1)]
+# ============================================================================ 3. row bounds (the kernels' table mask)
 
 
 def _visible(cu: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:
@@ -197,50 +191,43 @@ def _visible(cu: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, window:
 
 
 @given(lengths=st.lists(st.integers(1, 400), min_size=1, max_size=6), cp=st.sampled_from([1, 2, 3, 4]),
-       chunk=st.sampled_from([16, 64, 100, 200, 512]), window=st.sampled_from([1, 63, 64, 129, 200]))  # fmt: skip
+       chunk=st.sampled_from([16, 64, 100, 200, 512]), window=st.sampled_from([0, 1, 63, 64, 129, 200]))  # fmt: skip
 @settings(HYP, max_examples=25)
-def test_tile_schedules_match_brute_force(lengths, cp, chunk, window):
+def test_row_bounds_match_brute_force(lengths, cp, chunk, window):
     assume(sum(lengths) >= cp)
-    _check_schedules(pack_documents(lengths), cp, chunk, window)
+    _check_row_bounds(pack_documents(lengths), cp, chunk, window)
 
 
-def test_tile_schedule_window_regression():
-    """One document, window 129: rows 128..255 start seeing keys at 0..127, so kv tile 1 (keys
-    64..127) of q tile 1 is partial. Flagging full from the first row's range alone
-    (``kv_lo[first] <= k0``, as commit ec8f5ac has it) marks it full."""
-    _check_schedules(pack_documents([1000]), 1, 512, 129)
-    fwd = flint._build_magi_plan(pack_documents([1000]), config(129), None).keys[129].mask_host
-    assert _decode(fwd["fwd_off"], fwd["fwd_ent"])[1][:2] == [(0, 0), (1, 0)]
+def test_row_bounds_window_and_long_documents():
+    _check_row_bounds(pack_documents([1000]), 1, 512, 129)
+    _check_row_bounds(pack_documents([3000, 7, 900]), 3, 256, 700)
 
 
-def _check_schedules(cu, cp, chunk, window):
+def _check_row_bounds(cu, cp, chunk, window):
+    """Row i sees exactly the buffer slots [row_lo[i], row_hi[i]]; both bounds are non-decreasing
+    (so any block of rows sees one contiguous slot range, every slot of which some row of the block
+    sees: the kernels' tile ranges are exact); pad rows see nothing."""
     for plan in all_plans(cu, cp, config(window, chunk)):
         for w, k in plan.keys.items():
             mask = _visible(cu, k.local_token_global_indices, k.kv_pos, w)  # [L, Lkv]: row i sees slot j
             L, Lkv = mask.shape
-            m = k.mask_host
-            # the kernels' own row rule (q_lo <= k_pos <= q_pos) is the same mask
-            rule = (k.kv_pos[None, :] >= m["q_lo"][:, None]) & (k.kv_pos[None, :].long() <= k.q_pos[:, None])
-            assert torch.equal(rule, mask)
-            fwd, dq = _decode(m["fwd_off"], m["fwd_ent"]), _decode(m["dq_off"], m["dq_ent"])
-            assert len(fwd) == -(-L // 128) and len(dq) == -(-L // 64)
-            assert fwd == tile_schedule_brute_force(mask, 128, 64), (plan.keys[w].cp_rank, w)
-            assert dq == tile_schedule_brute_force(mask, 64, 64), (plan.keys[w].cp_rank, w)
-            dkv = _decode(m["dkv_off"], m["dkv_ent"])
-            transposed = [[] for _ in range(-(-Lkv // 64))]
-            for t, row in enumerate(dq):
-                for kt, full in row:
-                    transposed[kt].append((t, full))
-            assert dkv == transposed
-
-
-def test_schedule_has_full_tiles_for_long_documents():
-    """Sanity that the brute force above is not vacuous: a long document yields full tiles."""
-    cu = pack_documents([3000])
-    k = flint._build_magi_plan(cu, config(window=700, chunk=256), flint.SimulatedGroup(2, 0)).keys
-    for w in (0, 700):
-        ent = k[w].mask_host["fwd_ent"]
-        assert bool((ent & 1).any()) and bool(((ent & 1) == 0).any()), w
+            lo, hi = k.mask_host["row_lo"].long(), k.mask_host["row_hi"].long()
+            slots = torch.arange(Lkv)
+            rule = (slots[None, :] >= lo[:, None]) & (slots[None, :] <= hi[:, None])
+            assert torch.equal(rule, mask), (k.cp_rank, w)
+            assert bool((lo[1:] >= lo[:-1]).all()) and bool((hi[1:] >= hi[:-1]).all()), (k.cp_rank, w)
+            # the kernels' own row rule (q_lo <= k_pos <= q_pos) agrees with the table
+            pos_rule = (k.kv_pos[None, :] >= k.mask_host["q_lo"][:, None]) & (k.kv_pos[None, :].long() <= k.q_pos[:, None])
+            assert torch.equal(pos_rule, mask)
+            for bm in (64, 128):  # blocks of rows: the union of their ranges is [lo(first), hi(last)]
+                for r0 in range(0, L, bm):
+                    r1 = min(r0 + bm, L) - 1
+                    seen = mask[r0 : r1 + 1].any(0)
+                    if bool(seen.any()):
+                        idx = seen.nonzero().flatten()
+                        assert int(idx[0]) == int(lo[r0]) and int(idx[-1]) == int(hi[r1])
+                        assert int(idx[-1]) - int(idx[0]) + 1 == int(seen.sum())
+            assert int(k.visible_pairs) == int(mask.sum())
 
 
 # ============================================================================ 4. bad input
@@ -262,7 +249,7 @@ def test_schedule_has_full_tiles_for_long_documents():
 )
 def test_build_rejects_bad_cu_seqlens(cu, match):
     with pytest.raises(ValueError, match=match):
-        flint._build_magi_plan(cu, config(window=4), flint.SimulatedGroup(4, 1))
+        flint._build_magi_plan(cu, config(window=4), testing.SimulatedGroup(4, 1))
 
 
 def test_build_rejects_bad_config():
@@ -297,7 +284,7 @@ def test_attention_rejects_bad_input():
         plan.attention(q, k, v.double(), s, 0, 0.25)
     with pytest.raises(ValueError, match="sink must be float32 of shape"):
         plan.attention(q, k, v, s.double(), 0, 0.25)
-    sim = flint._build_magi_plan(pack_documents([200]), config(16), flint.SimulatedGroup(2, 0))
+    sim = flint._build_magi_plan(pack_documents([200]), config(16), testing.SimulatedGroup(2, 0))
     L = sim.keys[0].num_local_tokens
     with pytest.raises(ValueError, match="built for simulated ranks"):
         sim.attention(torch.randn(L, 4, 16), torch.randn(L, 2, 16), torch.randn(L, 2, 16), s, 0, 0.25)
@@ -376,7 +363,7 @@ def test_simulated_cp_matches_whole_sequence_oracle(cp, ncp_seed):
     loc = [[rcp.local_rows(t, d, r) for r in range(cp)] for t in (c["q"], c["k"], c["v"], dout)]
     for w in (0, window):
         ref = rcp.cp_attention_ref(c["q"], c["k"], c["v"], c["sink"], cu, dout, d, cp, window=w, scale=scale)
-        outs, grads = flint.simulate_cp_attention(plans, loc[0], loc[1], loc[2], c["sink"], w, scale, loc[3])
+        outs, grads = testing.simulate_cp_attention(plans, loc[0], loc[1], loc[2], c["sink"], w, scale, loc[3])
         mags = {n: float(getattr(ref, n).abs().max()) for n in ("out", "dq", "dk", "dv")}
         assert any(bool((rr.local_indices >= T).any()) for rr in ref.ranks)  # tail padding rows exist
         for r in range(cp):

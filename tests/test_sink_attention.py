@@ -2,7 +2,7 @@
 
 Against the float64 oracle (``reference.sink_attention``) with the tolerance rule of STYLE.md
 item 10; sinks drawn in [-4, 4]; documents shorter than, equal to and longer than the window,
-length-1 documents, GQA 1/4/8, windows 0/1/128/513; rows without keys (positions mode); poisoned
+length-1 documents, GQA 1/4/8, windows 0/1/128/513; rows without keys (table mask); poisoned
 outputs in guarded buffers; bitwise determinism; fp64 gradcheck; opcheck of the custom ops;
 torch.compile; and argument validation (every error names its argument).
 
@@ -18,9 +18,9 @@ import torch
 import nemo_cp_native as ncp
 from nemo_cp_native._ops import _C, dl
 from nemo_cp_native.attention import AttnMask, SinkAttnFunc, attn_backward, attn_forward
-from nemo_cp_native.reference.sink_attention import attention_positions_ref, attention_ref, sink_grad_closed_form
+from nemo_cp_native.reference.sink_attention import attention_ref, attention_table_ref, sink_grad_closed_form
 from nemo_cp_native.reference.tolerance import assert_close_to_ref, assert_close_to_ref_ulp
-from nemo_cp_native.testing_attention import doc_lengths, make_attention_case, pack_documents
+from nemo_cp_native.testing import doc_lengths, make_attention_case, pack_documents
 
 from _attn_checks import check_dsink, d_rounding_allowance, guarded, guards_intact
 
@@ -273,33 +273,31 @@ def test_strided_inputs_and_dout(ncp_seed):
 
 
 # ------------------------------------------------------------------------------------------
-# positions mode: rows that see no key
+# table mask (CP): rows that see no key
 # ------------------------------------------------------------------------------------------
 
 
-def _positions_case(g, tq, tk, hq, hkv, d, dtype, all_empty=False):
-    k_pos = torch.randint(0, 3 * tk, (tk,), generator=g).sort().values.to(torch.int32)
-    q_pos = torch.randint(0, 3 * tk, (tq,), generator=g).to(torch.int32)
-    width = torch.randint(-20, 3 * tk, (tq,), generator=g)  # negative: q_lo > q_pos, an empty row
-    width[0] = -1  # at least one row sees nothing
+def _table_case(g, tq, tk, hq, hkv, d, dtype, all_empty=False):
+    """Non-decreasing row bounds with empty rows (lo > hi), among them the first, and keys nobody sees."""
+    lo = torch.randint(0, tk + 1, (tq,), generator=g).sort().values
+    hi = torch.randint(-1, tk, (tq,), generator=g).sort().values
+    hi[0] = -1  # at least one row sees nothing
     if all_empty:
-        width = -torch.randint(1, 5, (tq,), generator=g)
-    q_lo = (q_pos.long() - width).to(torch.int32)
-    dummy = torch.zeros(1, dtype=torch.int32)  # tile schedules: read by the CUDA kernels only
-    mask = AttnMask(q_pos=q_pos, q_lo=q_lo, k_pos=k_pos, fwd_off=dummy, fwd_ent=dummy, dq_off=dummy,
-                    dq_ent=dummy, dkv_off=dummy, dkv_ent=dummy)  # fmt: skip
+        lo, hi = torch.full((tq,), tk // 2), torch.full((tq,), tk // 2 - 1)
+    mask = AttnMask(row_lo=lo.to(torch.int32), row_hi=hi.to(torch.int32))
     c = make_attention_case([tq], hq, hkv, d, dtype=dtype, generator=g)
     kc = make_attention_case([tk], hkv, hkv, d, dtype=dtype, generator=g)
-    seen = (k_pos[None, :] >= q_lo[:, None]) & (k_pos[None, :] <= q_pos[:, None])  # [tq, tk]
+    j = torch.arange(tk)
+    seen = (j[None, :] >= lo[:, None]) & (j[None, :] <= hi[:, None])  # [tq, tk]
     return c["q"], kc["k"], kc["v"], c["sink"], mask, seen
 
 
 @pytest.mark.parametrize("all_empty", [False, True])
 @pytest.mark.parametrize("sink", [True, False])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_positions_mode_rows_without_keys(dtype, sink, all_empty, ncp_seed):
+def test_table_mask_rows_without_keys(dtype, sink, all_empty, ncp_seed):
     g = _gen(ncp_seed)
-    q, k, v, s, mask, seen = _positions_case(g, 90, 70, 4, 2, 16, dtype, all_empty)
+    q, k, v, s, mask, seen = _table_case(g, 90, 70, 4, 2, 16, dtype, all_empty)
     s = s if sink else None
     empty, unseen = ~seen.any(1), ~seen.any(0)
     assert bool(empty.any()) and (all_empty or not bool(empty.all()))
@@ -310,9 +308,9 @@ def test_positions_mode_rows_without_keys(dtype, sink, all_empty, ncp_seed):
     assert torch.equal(lse[:, empty], want[:, empty]), "a row that sees nothing must have lse = sink (or -inf)"
 
     leaves = [t.detach().double().requires_grad_() for t in (q, k, v)] + ([s.double().requires_grad_()] if sink else [])
-    pos = (mask.q_pos, mask.q_lo, mask.k_pos)
-    ref, ref_lse = attention_positions_ref(*leaves[:3], leaves[3] if sink else None, *pos, scale=scale)
-    lp, lp_lse = attention_positions_ref(q, k, v, s, *pos, scale=scale, upcast=False)
+    pos = (mask.row_lo, mask.row_hi)
+    ref, ref_lse = attention_table_ref(*leaves[:3], leaves[3] if sink else None, *pos, scale=scale)
+    lp, lp_lse = attention_table_ref(q, k, v, s, *pos, scale=scale, upcast=False)
     assert_close_to_ref(out, ref, lp, name="out")
     assert_close_to_ref_ulp(lse, ref_lse, lp_lse.double(), name="lse")
 
@@ -321,9 +319,9 @@ def test_positions_mode_rows_without_keys(dtype, sink, all_empty, ncp_seed):
     assert not dq[empty].any() and not dk[unseen].any() and not dv[unseen].any()
     ref_grads = torch.autograd.grad(ref, leaves, dout.double())
     lpl = [t.detach().clone().requires_grad_() for t in (q, k, v)] + ([s.clone().requires_grad_()] if sink else [])
-    lp2, lp_lse2 = attention_positions_ref(*lpl[:3], lpl[3] if sink else None, *pos, scale=scale, upcast=False)
+    lp2, lp_lse2 = attention_table_ref(*lpl[:3], lpl[3] if sink else None, *pos, scale=scale, upcast=False)
     lp_grads = torch.autograd.grad(lp2, lpl, dout)
-    allow = d_rounding_allowance(lambda *t: attention_positions_ref(*t[:3], t[3] if sink else None, *pos, scale=scale),
+    allow = d_rounding_allowance(lambda *t: attention_table_ref(*t[:3], t[3] if sink else None, *pos, scale=scale),
                                  [q, k, v] + ([s] if sink else []), dout, dtype)  # fmt: skip
     for n, a, r, l, al in zip(("dq", "dk", "dv"), (dq, dk, dv), ref_grads, lp_grads, allow):
         assert_close_to_ref(a, r, l, name=n, allowance=al)
@@ -342,27 +340,27 @@ def test_positions_mode_rows_without_keys(dtype, sink, all_empty, ncp_seed):
 # ------------------------------------------------------------------------------------------
 
 
-def _poisoned_fwd(q, k, v, s, mask_caps, scale):
+def _poisoned_fwd(q, k, v, s, mask: AttnMask, scale):
     T, Hq, D = q.shape
     ob, out, pad = guarded((T, Hq, D), q.dtype, float("nan"))
     lb, lse, _ = guarded((Hq, T), torch.float32, float("nan"))
-    _C.sink_attn_fwd(dl(q), dl(k), dl(v), dl(s), dl(out), dl(lse), scale, mask_caps, None)
+    _C.sink_attn_fwd(q=dl(q), k=dl(k), v=dl(v), sink=dl(s), out=dl(out), lse=dl(lse), scale=scale, **mask.kwargs())
     assert not out.isnan().any() and not lse.isnan().any(), "an output element was never written"
     assert guards_intact(ob, pad) and guards_intact(lb, pad), "a guard band was overwritten"
     return out, lse
 
 
-def _poisoned_bwd(q, k, v, s, out, lse, dout, mask_caps, scale):
+def _poisoned_bwd(q, k, v, s, out, lse, dout, mask: AttnMask, scale):
     T, Hq, _ = q.shape
     bufs = [guarded(t.shape, t.dtype, float("nan")) for t in (q, k, v)]
     sb = guarded((Hq,), s.dtype, float("nan")) if s is not None else None
-    db = guarded((Hq, T), torch.float32, float("nan"))
-    _C.sink_attn_bwd(dl(q), dl(k), dl(v), dl(s), dl(out), dl(lse), dl(dout), dl(bufs[0][1]), dl(bufs[1][1]),
-                     dl(bufs[2][1]), dl(sb[1] if sb else None), dl(db[1]), None, scale, mask_caps, 1, None, None)  # fmt: skip
-    for b, t, p in bufs + ([sb] if sb else []) + [db]:
+    _C.sink_attn_bwd(q=dl(q), k=dl(k), v=dl(v), sink=dl(s), out=dl(out), lse=dl(lse), dout=dl(dout), dq=dl(bufs[0][1]),
+                     dk=dl(bufs[1][1]), dv=dl(bufs[2][1]), dsink=dl(sb[1] if sb else None), scale=scale,
+                     deterministic=1, **mask.kwargs())  # fmt: skip
+    for b, t, p in bufs + ([sb] if sb else []):
         assert not t.isnan().any(), "an output element was never written"
         assert guards_intact(b, p), "a guard band was overwritten"
-    return [b[1] for b in bufs] + [sb[1] if sb else None, db[1]]
+    return [b[1] for b in bufs] + [sb[1] if sb else None]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, F64])
@@ -373,31 +371,27 @@ def test_poisoned_outputs_and_guards(dtype, ncp_seed):
     if dtype == F64:
         s = s.double()
     mask = AttnMask(cu_seqlens=cu, window=20)
-    out, lse = _poisoned_fwd(q, k, v, s, (dl(cu), 20), 0.25)
+    out, lse = _poisoned_fwd(q, k, v, s, mask, 0.25)
     e_out, e_lse = attn_forward(q, k, v, s, mask, 0.25)
     assert torch.equal(out, e_out) and torch.equal(lse, e_lse)
     dout = torch.randn(out.shape, generator=g).to(dtype)
-    dq, dk, dv, ds, delta = _poisoned_bwd(q, k, v, s, out, lse, dout, (dl(cu), 20), 0.25)
+    dq, dk, dv, ds = _poisoned_bwd(q, k, v, s, out, lse, dout, mask, 0.25)
     for a, b in zip((dq, dk, dv, ds), attn_backward(dout, q, k, v, s, out, lse, mask, 0.25)):
         assert torch.equal(a, b)
-    want_delta = (dout.double() * out.double()).sum(-1).T  # the delta workspace: D_i = <dO_i, O_i>
-    assert_close_to_ref_ulp(delta, want_delta, want_delta, name="delta")
 
 
 @pytest.mark.parametrize("sink", [True, False])
-def test_poisoned_outputs_positions_mode(sink, ncp_seed):
+def test_poisoned_outputs_table_mask(sink, ncp_seed):
     """Rows without keys are written too (out 0, lse = sink or -inf, dq 0) and so are keys
     nobody sees (dk = dv = 0)."""
     g = _gen(ncp_seed)
-    q, k, v, s, mask, seen = _positions_case(g, 60, 50, 4, 1, 16, torch.bfloat16)
+    q, k, v, s, mask, seen = _table_case(g, 60, 50, 4, 1, 16, torch.bfloat16)
     s = s if sink else None
-    caps = tuple(dl(t) for t in (mask.q_pos, mask.q_lo, mask.k_pos, mask.fwd_off, mask.fwd_ent))
-    out, lse = _poisoned_fwd(q, k, v, s, caps, 0.25)
+    out, lse = _poisoned_fwd(q, k, v, s, mask, 0.25)
     e_out, e_lse = attn_forward(q, k, v, s, mask, 0.25)
     assert torch.equal(out, e_out) and torch.equal(lse, e_lse)
     dout = torch.randn(out.shape, generator=g).to(torch.bfloat16)
-    caps9 = caps + tuple(dl(t) for t in (mask.dq_off, mask.dq_ent, mask.dkv_off, mask.dkv_ent))
-    dq, dk, dv, ds, _ = _poisoned_bwd(q, k, v, s, out, lse, dout, caps9, 0.25)
+    dq, dk, dv, ds = _poisoned_bwd(q, k, v, s, out, lse, dout, mask, 0.25)
     empty, unseen = ~seen.any(1), ~seen.any(0)
     assert not dq[empty].any() and not dk[unseen].any() and not dv[unseen].any()
     ref = attn_backward(dout, q, k, v, s, out, lse, mask, 0.25)
@@ -437,21 +431,19 @@ def test_backward_determinism_switches(monkeypatch):
         torch.use_deterministic_algorithms(was)
 
 
-@pytest.mark.parametrize("bad", ["shape", "dtype", "layout"])
-def test_bwd_rejects_bad_dq_accum(bad, ncp_seed):
+@pytest.mark.parametrize("bad", ["dtype", "ndim", "layout"])
+def test_bwd_rejects_bad_workspace(bad, ncp_seed):
     g = _gen(ncp_seed)
     c = make_attention_case(doc_lengths(100, "random", mean=40, generator=g), 4, 2, 16, generator=g)
     q, k, v, s, cu = c["q"], c["k"], c["v"], c["sink"], c["cu_seqlens"]
-    T, Hq, D = q.shape
     out, lse = attn_forward(q, k, v, s, AttnMask(cu_seqlens=cu, window=0), 0.25)
-    rows = (T + 63) // 64 * 64
-    acc = {"shape": torch.zeros(Hq, T, D), "dtype": torch.zeros(Hq, rows, D, dtype=torch.float64),
-           "layout": torch.zeros(Hq, D, rows).transpose(1, 2)}[bad]  # fmt: skip
+    ws = {"dtype": torch.zeros(64, dtype=torch.float64), "ndim": torch.zeros(8, 8),
+          "layout": torch.zeros(128)[::2]}[bad]  # fmt: skip
     grads = [torch.empty_like(t) for t in (q, k, v)]
-    with pytest.raises(ValueError, match="dq_accum"):
-        _C.sink_attn_bwd(dl(q), dl(k), dl(v), dl(s), dl(out), dl(lse), dl(torch.randn_like(out)), dl(grads[0]),
-                         dl(grads[1]), dl(grads[2]), dl(torch.empty_like(s)), dl(torch.empty(Hq, T)), None, 0.25,
-                         (dl(cu), 0), 0, None, dl(acc))  # fmt: skip
+    with pytest.raises(ValueError, match="workspace"):
+        _C.sink_attn_bwd(q=dl(q), k=dl(k), v=dl(v), sink=dl(s), out=dl(out), lse=dl(lse), dout=dl(torch.randn_like(out)),
+                         dq=dl(grads[0]), dk=dl(grads[1]), dv=dl(grads[2]), dsink=dl(torch.empty_like(s)),
+                         workspace=dl(ws), scale=0.25, cu_seqlens=dl(cu))  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------
@@ -484,10 +476,10 @@ def test_gradcheck_float64(hq, hkv, d, window, sink, fast, ncp_seed):
     assert torch.autograd.gradcheck(f, tuple(leaves), eps=1e-6, atol=1e-5, rtol=1e-4, fast_mode=fast)
 
 
-def test_gradcheck_positions_mode(ncp_seed):
-    """SinkAttnFunc under a positions mask, with rows that see nothing."""
+def test_gradcheck_table_mask(ncp_seed):
+    """SinkAttnFunc under a table mask, with rows that see nothing."""
     g = _gen(ncp_seed)
-    q, k, v, s, mask, seen = _positions_case(g, 10, 8, 2, 1, 4, F64)
+    q, k, v, s, mask, seen = _table_case(g, 10, 8, 2, 1, 4, F64)
     assert not bool(seen[0].any())
     leaves = [t.detach().double().requires_grad_() for t in (q, k, v, s)]
     assert torch.autograd.gradcheck(lambda *ts: SinkAttnFunc.apply(*ts, mask, 0.5)[0], tuple(leaves), eps=1e-6,
@@ -508,23 +500,23 @@ def test_opcheck(sink, window, ncp_seed):
     q, k, v, s, scale, cu, w = _op_args(g, sink, window)
     fwd = torch.ops.nemo_cp_native.sink_attn_fwd.default
     bwd = torch.ops.nemo_cp_native.sink_attn_bwd.default
-    fargs = (q, k, v, s, scale, cu, w, None, None, None, None, None)
+    fargs = (q, k, v, s, scale, cu, w, None, None)
     torch.library.opcheck(fwd, fargs)
     out, lse = fwd(*fargs)
     dout = torch.randn(out.shape, generator=g)
-    torch.library.opcheck(bwd, (dout, q, k, v, s, out, lse, scale, cu, w) + (None,) * 9)
+    torch.library.opcheck(bwd, (dout, q, k, v, s, out, lse, scale, cu, w, None, None))
     # inputs that require grad: the ops have no autograd kernel of their own (SinkAttnFunc is above them)
     rq = q.clone().requires_grad_()
     torch.library.opcheck(fwd, (rq,) + fargs[1:], test_utils=("test_schema", "test_autograd_registration"))
 
 
-def test_opcheck_positions_mode(ncp_seed):
+def test_opcheck_table_mask(ncp_seed):
     g = _gen(ncp_seed)
-    q, k, v, s, mask, _ = _positions_case(g, 12, 9, 2, 1, 8, torch.float32)
-    f = mask.flat()
+    q, k, v, s, mask, _ = _table_case(g, 12, 9, 2, 1, 8, torch.float32)
+    f = (None, 0, mask.row_lo, mask.row_hi)
     fwd = torch.ops.nemo_cp_native.sink_attn_fwd.default
-    torch.library.opcheck(fwd, (q, k, v, s, 0.5) + f[:7])
-    out, lse = fwd(q, k, v, s, 0.5, *f[:7])
+    torch.library.opcheck(fwd, (q, k, v, s, 0.5) + f)
+    out, lse = fwd(q, k, v, s, 0.5, *f)
     torch.library.opcheck(torch.ops.nemo_cp_native.sink_attn_bwd.default,
                           (torch.randn(out.shape, generator=g), q, k, v, s, out, lse, 0.5) + f)  # fmt: skip
 
@@ -583,9 +575,10 @@ def _i32(*xs):
 
 BAD = [
     # (id, changes to the base call, exception, message substring)
-    ("q int", lambda a: dict(q=a["q"].int(), k=a["k"].int(), v=a["v"].int()), ValueError, "q must be one of"),
+    ("q int", lambda a: dict(q=a["q"].int(), k=a["k"].int(), v=a["v"].int()), ValueError,
+     "q must be float16, bfloat16, float32 or float64 on the CPU"),
     ("q fp8", lambda a: dict(q=a["q"].to(torch.float8_e4m3fn), k=a["k"].to(torch.float8_e4m3fn),
-                             v=a["v"].to(torch.float8_e4m3fn)), ValueError, "q must be one of"),  # fmt: skip
+                             v=a["v"].to(torch.float8_e4m3fn)), ValueError, "q"),  # fmt: skip
     ("k dtype", lambda a: dict(k=a["k"].double()), ValueError, "k and v must have the dtype of q"),
     ("v dtype", lambda a: dict(v=a["v"].half()), ValueError, "k and v must have the dtype of q"),
     ("sink fp16", lambda a: dict(sink=a["sink"].half()), ValueError, "sink must be float32"),
@@ -593,50 +586,63 @@ BAD = [
                                    sink=a["sink"].bfloat16()), ValueError, "sink must be float32"),  # fmt: skip
     ("sink fp64 fp32 q", lambda a: dict(sink=a["sink"].double()), ValueError, "sink must be float32"),
     ("sink int", lambda a: dict(sink=a["sink"].int()), ValueError, "sink must be float32"),
-    ("sink shape", lambda a: dict(sink=a["sink"][:3]), ValueError, "sink must be a tensor of shape (4,)"),
-    ("sink 2-D", lambda a: dict(sink=a["sink"][None]), ValueError, "sink must be a tensor of shape (4,)"),
-    ("sink list", lambda a: dict(sink=[0.0] * 4), ValueError, "sink must be a tensor"),
+    ("sink shape", lambda a: dict(sink=a["sink"][:3]), ValueError, "sink must have shape (num_heads,) = (4,)"),
+    ("sink 2-D", lambda a: dict(sink=a["sink"][None]), ValueError, "sink must be 1-D"),
+    ("sink list", lambda a: dict(sink=[0.0] * 4), TypeError, "sink must be a torch.Tensor or None"),
     ("sink strided", lambda a: dict(sink=torch.zeros(8)[::2]), ValueError, "sink must be contiguous"),
     ("heads", lambda a: dict(k=a["k"][:, :1].expand(-1, 3, -1).contiguous(), v=a["v"][:, :1].expand(-1, 3, -1)
                              .contiguous()), ValueError, "multiple of the kv heads"),  # fmt: skip
     ("no kv heads", lambda a: dict(k=a["k"][:, :0], v=a["v"][:, :0]), ValueError, "multiple of the kv heads"),
     ("no q heads", lambda a: dict(q=a["q"][:, :0], sink=None), ValueError, "multiple of the kv heads"),
-    ("head dim k/v", lambda a: dict(k=a["k"][..., :4], v=a["v"][..., :4]), ValueError, "share head_dim"),
-    ("head dim v", lambda a: dict(v=torch.zeros(15, 2, 16)), ValueError, "share head_dim"),
+    ("head dim k/v", lambda a: dict(k=a["k"][..., :4], v=a["v"][..., :4]), ValueError, "k must have shape"),
+    ("head dim v", lambda a: dict(v=torch.zeros(15, 2, 16)), ValueError, "v must have shape"),
     ("head dim 0", lambda a: dict(q=a["q"][..., :0], k=a["k"][..., :0], v=a["v"][..., :0]), ValueError, "head_dim"),
-    ("kv heads differ", lambda a: dict(v=a["v"][:, :1]), ValueError, "k and v must have the same shape"),
-    ("kv tokens differ", lambda a: dict(v=a["v"][:-1]), ValueError, "k and v must have the same shape"),
-    ("k tokens", lambda a: dict(k=a["k"][:-1], v=a["v"][:-1]), ValueError, "k must have as many tokens as q"),
+    ("kv heads differ", lambda a: dict(v=a["v"][:, :1]), ValueError, "v must have shape"),
+    ("kv tokens differ", lambda a: dict(v=a["v"][:-1]), ValueError, "v must have shape"),
+    ("k tokens", lambda a: dict(k=a["k"][:-1], v=a["v"][:-1]), ValueError, "q and k must have the same number of tokens"),
     ("q 2-D", lambda a: dict(q=a["q"][0]), ValueError, "q must be 3-D"),
     ("k 4-D", lambda a: dict(k=a["k"][None]), ValueError, "k must be 3-D"),
     ("q list", lambda a: dict(q=a["q"].tolist()), TypeError, "q must be a torch.Tensor"),
     ("k None", lambda a: dict(k=None), TypeError, "k must be a torch.Tensor"),
     ("v array", lambda a: dict(v=a["v"].numpy()), TypeError, "v must be a torch.Tensor"),
     ("cu list", lambda a: dict(cu_seqlens=[0, 5, 12, 15]), TypeError, "cu_seqlens must be a torch.Tensor"),
-    ("cu int64", lambda a: dict(cu_seqlens=a["cu_seqlens"].long()), ValueError, "cu_seqlens must be a non-empty 1-D"),
+    ("cu int64", lambda a: dict(cu_seqlens=a["cu_seqlens"].long()), ValueError, "cu_seqlens must be int32"),
     ("cu float", lambda a: dict(cu_seqlens=a["cu_seqlens"].float()), ValueError, "int32"),
-    ("cu 2-D", lambda a: dict(cu_seqlens=a["cu_seqlens"][None]), ValueError, "cu_seqlens must be a non-empty 1-D"),
-    ("cu empty", lambda a: dict(cu_seqlens=_i32()), ValueError, "cu_seqlens must be a non-empty"),
+    ("cu 2-D", lambda a: dict(cu_seqlens=a["cu_seqlens"][None]), ValueError, "cu_seqlens must be 1-D"),
+    ("cu empty", lambda a: dict(cu_seqlens=_i32()), ValueError, "cu_seqlens must have between 1 and"),
     ("cu start", lambda a: dict(cu_seqlens=_i32(1, 5, 15)), ValueError, "cu_seqlens must start at 0"),
     ("cu monotone", lambda a: dict(cu_seqlens=_i32(0, 9, 5, 15)), ValueError, "cu_seqlens must be non-decreasing"),
     ("cu end short", lambda a: dict(cu_seqlens=_i32(0, 5, 14)), ValueError, "cu_seqlens must end at the number"),
     ("cu end long", lambda a: dict(cu_seqlens=_i32(0, 5, 16)), ValueError, "cu_seqlens must end at the number"),
-    ("window neg", lambda a: dict(window=-1), ValueError, "window must be an int >= 0"),
+    ("window neg", lambda a: dict(window=-1), ValueError, "window must be an int in [0, 2^31)"),
     ("window float", lambda a: dict(window=3.0), ValueError, "window must be an int"),
     ("window bool", lambda a: dict(window=True), ValueError, "window must be an int"),
     ("window str", lambda a: dict(window="3"), ValueError, "window must be an int"),
     ("window huge", lambda a: dict(window=2**40), ValueError, "window"),
-    ("scale nan", lambda a: dict(scale=float("nan")), ValueError, "scale must be a finite"),
+    ("scale nan", lambda a: dict(scale=float("nan")), ValueError, "scale must be finite"),
     ("scale inf", lambda a: dict(scale=float("inf")), ValueError, "scale must be finite"),
-    ("scale str", lambda a: dict(scale="0.5"), ValueError, "scale must be a finite float"),
+    ("scale str", lambda a: dict(scale="0.5"), TypeError, "scale must be a float or None"),
+    ("scale bool", lambda a: dict(scale=True), TypeError, "scale must be a float or None"),
+    ("q meta", lambda a: dict(q=a["q"].to("meta")), ValueError, "q is a meta tensor"),
+    ("cu meta", lambda a: dict(cu_seqlens=a["cu_seqlens"].to("meta")), ValueError, "cu_seqlens is a meta tensor"),
+    ("big head dim", lambda a: dict(q=torch.zeros(15, 4, 1100), k=torch.zeros(15, 2, 1100), v=torch.zeros(15, 2, 1100)),
+     None, None),
+    ("many heads", lambda a: dict(q=torch.zeros(2, 4100, 8), k=torch.zeros(2, 1, 8), v=torch.zeros(2, 1, 8), sink=None,
+                                  cu_seqlens=_i32(0, 2)), None, None),
 ]
 
 
 @pytest.mark.parametrize("change,exc,msg", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
 def test_bad_input(change, exc, msg):
+    """Each bad argument gets a clear exception naming it (exc None: the CPU path takes any head
+    dim and head count, so the call must succeed)."""
     a = _base()
     a.update(change(a))
     q, k, v, s, cu = (a.pop(n) for n in ("q", "k", "v", "sink", "cu_seqlens"))
+    if exc is None:
+        out = ncp.sink_attention(q, k, v, s, cu, **a)
+        assert out.shape == q.shape
+        return
     with pytest.raises(exc) as ei:
         ncp.sink_attention(q, k, v, s, cu, **a)
     assert msg in str(ei.value), f"{type(ei.value).__name__}: {ei.value}"
@@ -644,43 +650,53 @@ def test_bad_input(change, exc, msg):
 
 def test_native_boundary_names_the_argument():
     """The C module checks what the Python wrapper cannot vouch for when its ops are called
-    directly (cu_seqlens and k_pos contents, output buffers, the mask tuple)."""
+    directly (cu_seqlens and table contents, output buffers, the mask fields, keyword names)."""
     a = _base()
     q, k, v, s, cu = a["q"], a["k"], a["v"], a["sink"], a["cu_seqlens"]
     out, lse = torch.empty_like(q), torch.empty(4, 15)
 
     def fwd(**kw):
-        args = dict(q=q, k=k, v=v, s=s, out=out, lse=lse, scale=0.5, mask=(dl(cu), 0))
+        args = dict(q=q, k=k, v=v, sink=s, out=out, lse=lse, cu_seqlens=cu)
         args.update(kw)
-        m = args.pop("mask")
-        caps = [dl(t) if isinstance(t, torch.Tensor) or t is None else t for t in args.values()]
-        _C.sink_attn_fwd(*caps[:6], caps[6], m, None)
+        caps = {n: (dl(t) if isinstance(t, torch.Tensor) else t) for n, t in args.items()}
+        caps.setdefault("scale", 0.5)
+        _C.sink_attn_fwd(**caps)
 
     fwd()  # the base call is fine
     cases = [
-        (dict(mask=(dl(_i32(0, 9, 5, 15)), 0)), ValueError, "cu_seqlens must be non-decreasing"),
-        (dict(mask=(dl(_i32(2, 15)), 0)), ValueError, "cu_seqlens must start at 0"),
-        (dict(mask=(dl(_i32(0, 14)), 0)), ValueError, "cu_seqlens must end"),
-        (dict(mask=(dl(cu.long()), 0)), ValueError, "cu_seqlens"),
-        (dict(mask=(dl(cu), -2)), ValueError, "window must be >= 0"),
-        (dict(mask=(dl(cu),)), TypeError, "mask must have"),
-        (dict(mask=[dl(cu), 0]), TypeError, "mask must be a tuple"),
-        (dict(out=torch.empty(15, 4, 8, dtype=torch.float64)), ValueError, "out"),
-        (dict(out=torch.empty(15, 4, 7)), ValueError, "out"),
-        (dict(lse=torch.empty(15, 4)), ValueError, "lse"),
-        (dict(lse=torch.empty(4, 15, dtype=torch.float64)), ValueError, "lse"),
-        (dict(s=torch.zeros(3)), ValueError, "sink"),
+        (dict(cu_seqlens=_i32(0, 9, 5, 15)), ValueError, "cu_seqlens must be non-decreasing"),
+        (dict(cu_seqlens=_i32(2, 15)), ValueError, "cu_seqlens must start at 0"),
+        (dict(cu_seqlens=_i32(0, 14)), ValueError, "cu_seqlens must end"),
+        (dict(cu_seqlens=cu.long()), ValueError, "cu_seqlens must be int32"),
+        (dict(window=-2), ValueError, "window must be >= 0"),
+        (dict(cu_seqlens=None), ValueError, "give either cu_seqlens"),
+        (dict(row_lo=_i32(*range(15)), row_hi=_i32(*range(15))), ValueError, "not both"),
+        (dict(cu_seqlens=None, row_lo=_i32(*range(15)), row_hi=_i32(*range(14, -1, -1))), ValueError,
+         "row_lo and row_hi must be non-decreasing"),
+        (dict(cu_seqlens=None, row_lo=_i32(*range(15)), row_hi=_i32(*range(14))), ValueError, "row_hi must have shape"),
+        (dict(cu_seqlens=None, row_lo=_i32(*range(15)), row_hi=_i32(*range(1, 16))), ValueError, "must lie in"),
+        (dict(out=torch.empty(15, 4, 8, dtype=torch.float64)), ValueError, "out must be float32"),
+        (dict(out=torch.empty(15, 4, 7)), ValueError, "out must have shape"),
+        (dict(lse=torch.empty(15, 4)), ValueError, "lse must have shape"),
+        (dict(lse=torch.empty(4, 15, dtype=torch.float64)), ValueError, "lse must be float32"),
+        (dict(sink=torch.zeros(3)), ValueError, "sink must have shape"),
         (dict(k=k.double()), ValueError, "k and v must have the dtype of q"),
-        (dict(v=v[:, :1]), ValueError, "v"),
+        (dict(v=v[:, :1]), ValueError, "v must have shape"),
         (dict(scale=float("inf")), ValueError, "scale must be finite"),
+        (dict(scale=True), TypeError, "scale must be a float"),
+        (dict(window=2**63), ValueError, "window=9223372036854775808 does not fit"),
+        (dict(bogus=1), TypeError, "unexpected keyword argument 'bogus'"),
+        (dict(q=None), ValueError, "q must be a tensor, not None"),
+        (dict(stream="x"), TypeError, ""),
     ]
     for kw, exc, msg in cases:
         with pytest.raises(exc) as ei:
             fwd(**kw)
         assert msg in str(ei.value), f"{kw}: {type(ei.value).__name__}: {ei.value}"
-    bad_kpos = (dl(_i32(*range(15))), dl(_i32(*range(15))), dl(_i32(*range(14, -1, -1))), dl(_i32(0)), dl(_i32(0)))
-    with pytest.raises(ValueError, match="k_pos must be non-decreasing"):
-        fwd(mask=bad_kpos)
+    with pytest.raises(TypeError, match="keyword arguments only"):
+        _C.sink_attn_fwd(dl(q))
+    with pytest.raises(TypeError, match="missing required keyword argument 'lse'"):
+        _C.sink_attn_fwd(q=dl(q), k=dl(k), v=dl(v), out=dl(out), scale=0.5, cu_seqlens=dl(cu))
 
 
 @pytest.mark.parametrize("sink", [True, False])
@@ -708,7 +724,7 @@ def test_cuda_bad_input():
         (dict(k=k.cpu()), "k must be on the device of q"),
         (dict(sink=s.cpu()), "sink must be on the device of q"),
         (dict(cu_seqlens=cu.cpu()), "cu_seqlens must be on the device of q"),
-        (dict(q=q.float(), k=k.float(), v=v.float()), "q must be one of"),
+        (dict(q=q.float(), k=k.float(), v=v.float()), "q must be float16 or bfloat16 on CUDA"),
         (dict(q=q[..., :32].contiguous(), k=k[..., :32].contiguous(), v=v[..., :32].contiguous()),
          "head_dim must be 64 or 128 on CUDA"),
     ):  # fmt: skip

@@ -30,9 +30,17 @@ int ncp_built_with_cuda(void) {
 
 const char *ncp_cuda_archs(void) { return NCP_CUDA_ARCHS_STR; }
 
-int32_t ncp_sink_attn_bwd_n_part(int32_t Tq) { return Tq <= 0 ? 1 : (Tq + NCP_BWD_PRE_ROWS - 1) / NCP_BWD_PRE_ROWS; }
-
 #ifndef NCP_WITH_CUDA
-int ncp_sink_attn_fwd_variant(void) { return 0; }
-int ncp_sink_attn_bwd_variant(void) { return 0; }
+/* A build without CUDA: no kernels, no workspace, no hooks to set. */
+int64_t ncp_sink_attn_bwd_workspace(int32_t Tq, int32_t Hq, int32_t D, int32_t has_sink, int32_t deterministic) {
+    (void)Tq, (void)Hq, (void)D, (void)has_sink, (void)deterministic;
+    return 0;
+}
+void ncp_sink_attn_kernels(int32_t deterministic, const char **fwd, const char **bwd) {
+    (void)deterministic;
+    *fwd = *bwd = "none";
+}
+static ncp_attn_debug g_debug;
+void ncp_attn_debug_set(const ncp_attn_debug *d) { g_debug = *d; }
+ncp_attn_debug ncp_attn_debug_get(void) { return g_debug; }
 #endif

@@ -1,14 +1,15 @@
 /*
  * plan.c: Flint CP plans. One MinHeap partition (magi_dispatch.c) shared by every window, and per
- * window the exact K/V exchange plus the tile schedules of the attention kernels.
+ * window the exact K/V exchange plus the row bounds the attention kernels read.
  *
  * Window w (0 = whole causal document, else w keys counting the current token): query p < T sees
  * keys [lo(p), p] with lo(p) = max(doc_start(p), p - w + 1). A receiver's needed keys are the union
  * of those intervals over its queries; every such key another rank owns is sent exactly once, so
  * no rank receives a token it cannot see. The K/V buffer of a rank is its local rows plus the
  * received ones, sorted by global position: the keys of a query are then one contiguous buffer
- * range [kv_lo, kv_hi), and tile schedules list exactly the (q tile, kv tile) pairs with a visible
- * pair, flagged full when every pair of the tile is visible.
+ * range [row_lo, row_hi], non-decreasing in the row, which is what the kernels read
+ * (NCP_MASK_TABLE): a block of query rows then sees one contiguous key range, so the plan grows with
+ * the pack, not with its square.
  */
 #include <inttypes.h>
 #include <stdlib.h>
@@ -110,77 +111,7 @@ static int32_t doc_start(const plan_ctx *x, int64_t p, int32_t *doc) {
     return x->cu[*doc];
 }
 
-/* Appends the kv tiles covering buffer slots [lo, hi), skipping the tile appended last. */
-static int push_tiles(i32vec *v, int64_t lo, int64_t hi, int32_t bn, int64_t *prev_tile) {
-    for (int64_t kt = lo / bn; kt <= (hi - 1) / bn; ++kt) {
-        if (kt == *prev_tile) continue;
-        if (!vec_push(v, (int32_t)(kt * 2))) return 0;
-        *prev_tile = kt;
-    }
-    return 1;
-}
-
-/* CSR schedule over q tiles of bm rows: the kv tiles (bn slots) holding a visible pair, in
- * ascending order, entry = tile * 2 + full. Rows' ranges [kv_lo, kv_hi) are non-decreasing. A tile
- * is full only when it has bm real rows that all see every one of its bn keys. */
-static ncp_status build_schedule(const int32_t *kv_lo, const int32_t *kv_hi, const int32_t *is_real, int32_t L,
-                                 int32_t Lkv, int32_t bm, int32_t bn, ncp_i32_array *off, ncp_i32_array *ent) {
-    const int32_t n_tiles = (L + bm - 1) / bm;
-    NCP_TRY(alloc_array(off, (int64_t)n_tiles + 1));
-    i32vec v = {0};
-    for (int32_t t = 0; t < n_tiles; ++t) {
-        off->data[t] = (int32_t)v.n;
-        const int32_t r0 = t * bm, r1 = (t + 1) * bm < L ? (t + 1) * bm : L;
-        int all_real = 1, have = 0;
-        int32_t first = -1, last = -1;
-        int64_t lo = 0, hi = 0, prev_tile = -1;
-        for (int32_t r = r0; r < r1; ++r) {
-            all_real &= is_real[r];
-            if (kv_hi[r] <= kv_lo[r]) continue;
-            if (first < 0) first = r;
-            last = r;
-            if (have && kv_lo[r] <= hi) {
-                if (kv_hi[r] > hi) hi = kv_hi[r];
-                continue;
-            }
-            if (have && !push_tiles(&v, lo, hi, bn, &prev_tile)) goto oom;
-            lo = kv_lo[r];
-            hi = kv_hi[r];
-            have = 1;
-        }
-        if (have && !push_tiles(&v, lo, hi, bn, &prev_tile)) goto oom;
-        if (!(all_real && r1 - r0 == bm && first == r0 && last == r1 - 1)) continue;
-        for (int64_t e = off->data[t]; e < v.n; ++e) { /* every row sees every key of the tile */
-            const int64_t k0 = (int64_t)(v.data[e] >> 1) * bn, k1 = k0 + bn;
-            if (k1 <= Lkv && kv_lo[last] <= k0 && kv_hi[first] >= k1) v.data[e] |= 1;
-        }
-    }
-    off->data[n_tiles] = (int32_t)v.n;
-    *ent = vec_take(&v);
-    return NCP_OK;
-oom:
-    free(v.data);
-    NCP_FAIL(NCP_ERR_NOMEM, "out of host memory building a tile schedule");
-}
-
-/* Transposes a CSR schedule (q tile -> kv tiles) into kv tile -> q tiles, keeping the flags. */
-static ncp_status transpose_schedule(const ncp_i32_array *off, const ncp_i32_array *ent, int32_t n_kv_tiles,
-                                     ncp_i32_array *toff, ncp_i32_array *tent) {
-    NCP_TRY(alloc_array(toff, (int64_t)n_kv_tiles + 1));
-    NCP_TRY(alloc_array(tent, ent->n));
-    for (int32_t e = 0; e < ent->n; ++e) toff->data[(ent->data[e] >> 1) + 1]++;
-    for (int32_t k = 0; k < n_kv_tiles; ++k) toff->data[k + 1] += toff->data[k];
-    int32_t *fill = (int32_t *)malloc((size_t)(n_kv_tiles > 0 ? n_kv_tiles : 1) * sizeof(int32_t));
-    if (fill == NULL) NCP_FAIL(NCP_ERR_NOMEM, "out of host memory transposing a tile schedule");
-    memcpy(fill, toff->data, (size_t)n_kv_tiles * sizeof(int32_t));
-    for (int32_t t = 0; t + 1 < off->n; ++t)
-        for (int32_t e = off->data[t]; e < off->data[t + 1]; ++e)
-            tent->data[fill[ent->data[e] >> 1]++] = t * 2 + (ent->data[e] & 1);
-    free(fill);
-    return NCP_OK;
-}
-
-/* Exchange tables, K/V buffer order, query bounds and schedules of one window. */
+/* Exchange tables, K/V buffer order and query bounds of one window. */
 static ncp_status build_window(const plan_ctx *x, const int32_t *local_pos, int32_t L, int32_t w, ival *ivbuf,
                                int32_t *mark, ncp_plan_window *pw) {
     pw->window = w;
@@ -220,19 +151,21 @@ static ncp_status build_window(const plan_ctx *x, const int32_t *local_pos, int3
         ++j;
     }
 
-    /* Per query: first visible position and its contiguous buffer range. */
+    /* Per query: first visible position and its buffer range [row_lo, row_hi] (NCP_MASK_TABLE).
+     * Local rows ascend in position, so both bounds are non-decreasing; pad rows (positions past
+     * T, last in local order) see nothing: row_lo = Lkv and row_hi = the last real row's, which
+     * keeps both non-decreasing and a tile's key range ending at its last real row's keys. */
     NCP_TRY(alloc_array(&pw->q_lo, L));
-    int32_t *kv_lo = (int32_t *)malloc((size_t)(3 * (int64_t)L + 1) * sizeof(int32_t));
-    if (kv_lo == NULL) NCP_FAIL(NCP_ERR_NOMEM, "out of host memory building a Flint plan");
-    int32_t *kv_hi = kv_lo + L, *is_real = kv_hi + L;
+    NCP_TRY(alloc_array(&pw->row_lo, L));
+    NCP_TRY(alloc_array(&pw->row_hi, L));
     int32_t doc = 0, j_lo = 0, j_hi = 0;
     pw->visible_pairs = 0;
     for (int32_t i = 0; i < L; ++i) {
         const int64_t p = local_pos[i];
-        is_real[i] = p < x->T;
-        if (!is_real[i]) {
+        if (p >= x->T) {
             pw->q_lo.data[i] = INT32_MAX;
-            kv_lo[i] = kv_hi[i] = Lkv;
+            pw->row_lo.data[i] = Lkv;
+            pw->row_hi.data[i] = j_hi - 1;
             continue;
         }
         int64_t lo = doc_start(x, p, &doc);
@@ -240,18 +173,11 @@ static ncp_status build_window(const plan_ctx *x, const int32_t *local_pos, int3
         pw->q_lo.data[i] = (int32_t)lo;
         while (j_lo < Lkv && pw->kv_pos.data[j_lo] < lo) ++j_lo;
         while (j_hi < Lkv && pw->kv_pos.data[j_hi] <= p) ++j_hi;
-        kv_lo[i] = j_lo;
-        kv_hi[i] = j_hi;
+        pw->row_lo.data[i] = j_lo;
+        pw->row_hi.data[i] = j_hi - 1;
         pw->visible_pairs += j_hi - j_lo;
     }
-    ncp_status st = build_schedule(kv_lo, kv_hi, is_real, L, Lkv, NCP_FWD_BM, NCP_FWD_BN, &pw->fwd_off, &pw->fwd_ent);
-    if (st == NCP_OK)
-        st = build_schedule(kv_lo, kv_hi, is_real, L, Lkv, NCP_BWD_BM, NCP_BWD_BN, &pw->dq_off, &pw->dq_ent);
-    if (st == NCP_OK)
-        st = transpose_schedule(&pw->dq_off, &pw->dq_ent, (Lkv + NCP_BWD_BN - 1) / NCP_BWD_BN, &pw->dkv_off,
-                                &pw->dkv_ent);
-    free(kv_lo);
-    return st;
+    return NCP_OK;
 oom:
     free(send.data);
     free(recv.data);
@@ -333,8 +259,7 @@ void ncp_plan_free(ncp_plan *plan) {
         ncp_plan_window *pw = &plan->windows[w];
         ncp_i32_array *arrays[] = {&pw->send_counts, &pw->recv_counts, &pw->send_idx, &pw->recv_pos,
                                    &pw->kv_pos,      &pw->kv_src,      &pw->local_slot, &pw->recv_slot,
-                                   &pw->q_lo,        &pw->fwd_off,     &pw->fwd_ent,  &pw->dq_off,
-                                   &pw->dq_ent,      &pw->dkv_off,     &pw->dkv_ent};
+                                   &pw->q_lo,        &pw->row_lo,      &pw->row_hi};
         for (size_t i = 0; i < sizeof arrays / sizeof arrays[0]; ++i) free_array(arrays[i]);
     }
     free(plan->windows);

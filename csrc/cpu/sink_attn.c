@@ -8,8 +8,9 @@
  * Backward: D_i = <dO_i, O_i>, dz_ij = P_ij (<dO_i, v_j> - D_i), dq = s * dz k, dk = s * dz^T q,
  * dv = P^T dO, dsink_h = -sum_i exp(a_h - lse_i) D_i. A row that sees nothing: O = 0, lse = a_h.
  *
- * Masks: contiguous mode (q_pos == NULL): V(i) = [max(doc_start(i), i - window + 1), i];
- * positions mode: V(i) = { j : q_lo[i] <= k_pos[j] <= q_pos[i] } with k_pos non-decreasing.
+ * Masks (ncp.h, ncp_attn_mask): documents, V(i) = [max(doc_start(i), i - window + 1), i]; a table,
+ * V(i) = [row_lo[i], row_hi[i]] clipped to [0, Tk). NaN in a visible score or in the sink makes the
+ * row's out, lse and gradients NaN; +inf there gives NaN too (documented, not the limit).
  *
  * Plain loops, every sum in double: any of f16/bf16/f32/f64 in (converted once to contiguous double
  * arrays), the same dtype out, lse in fp32. The backward recomputes the softmax statistics in double
@@ -23,7 +24,7 @@
 
 #include "ncp/ncp.h"
 #include "ncp/ncp_check.h"
-#include "../core/ncp_internal.h"
+#include "attn_args.h"
 
 /* ---------------------------------------------------------------------------------------- */
 /* scalar conversions                                                                        */
@@ -94,111 +95,33 @@ static void store(void *base, ncp_dtype dt, int64_t i, double v) {
 }
 
 /* ---------------------------------------------------------------------------------------- */
-/* validation (shared with the CUDA entry points)                                            */
-/* ---------------------------------------------------------------------------------------- */
-
-ncp_status ncp_sink_attn_check(const ncp_sink_attn_params *p, int on_cuda) {
-    NCP_ARG_CHECK(p != NULL, "sink_attention: params must not be NULL");
-    NCP_ARG_CHECK(p->Tq == 0 || (p->q && p->out && p->lse), "q, out and lse must not be NULL");
-    NCP_ARG_CHECK(p->Tk == 0 || (p->k && p->v), "k and v must not be NULL");
-    NCP_ARG_CHECK(p->Tq >= 0 && p->Tk >= 0, "token counts must be >= 0; got Tq=%" PRId32 ", Tk=%" PRId32, p->Tq, p->Tk);
-    NCP_ARG_CHECK(p->Hq > 0 && p->Hkv > 0 && p->Hq % p->Hkv == 0,
-                  "the number of query heads (%" PRId32 ") must be a positive multiple of the kv heads (%" PRId32 ")",
-                  p->Hq, p->Hkv);
-    NCP_ARG_CHECK(p->D > 0, "head_dim must be > 0; got %" PRId32, p->D);
-    NCP_ARG_CHECK(p->window >= 0, "window must be >= 0; got %" PRId32, p->window);
-    NCP_ARG_CHECK(isfinite(p->scale), "scale must be finite");
-    NCP_ARG_CHECK(p->sink == NULL || p->sink_dt == NCP_DT_F32 || (!on_cuda && p->sink_dt == NCP_DT_F64),
-                  "sink must be float32%s", on_cuda ? "" : " (or float64 with float64 q on the CPU)");
-    if (on_cuda) {
-        NCP_ARG_CHECK(p->dtype == NCP_DT_F16 || p->dtype == NCP_DT_BF16,
-                      "q, k and v must be float16 or bfloat16 on CUDA");
-        NCP_ARG_CHECK(p->D == 64 || p->D == 128, "head_dim must be 64 or 128 on CUDA; got %" PRId32, p->D);
-    } else {
-        NCP_ARG_CHECK(p->dtype == NCP_DT_F16 || p->dtype == NCP_DT_BF16 || p->dtype == NCP_DT_F32 ||
-                          p->dtype == NCP_DT_F64,
-                      "q, k and v must be float16, bfloat16, float32 or float64 on the CPU");
-    }
-    if (p->q_pos == NULL) {
-        NCP_ARG_CHECK(p->Tq == p->Tk, "q and k must have the same number of tokens; got %" PRId32 " and %" PRId32,
-                      p->Tq, p->Tk);
-        NCP_ARG_CHECK(p->cu_seqlens != NULL && p->n_cu >= 1, "cu_seqlens must have at least one entry");
-    } else {
-        NCP_ARG_CHECK(p->q_lo != NULL && p->k_pos != NULL, "positions mode needs q_pos, q_lo and k_pos");
-        NCP_ARG_CHECK(!on_cuda || (p->fwd_off != NULL && p->fwd_ent != NULL),
-                      "positions mode on CUDA needs a forward tile schedule");
-    }
-    return NCP_OK;
-}
-
-ncp_status ncp_sink_attn_bwd_check(const ncp_sink_attn_bwd_params *p, int on_cuda) {
-    NCP_ARG_CHECK(p != NULL, "sink_attention backward: params must not be NULL");
-    NCP_TRY(ncp_sink_attn_check(&p->f, on_cuda));
-    NCP_ARG_CHECK(p->f.Tq == 0 || (p->dout && p->dq), "dout and dq must not be NULL");
-    NCP_ARG_CHECK(p->f.Tk == 0 || (p->dk && p->dv), "dk and dv must not be NULL");
-    NCP_ARG_CHECK((p->f.sink == NULL) == (p->dsink == NULL), "dsink must be given exactly when sink is");
-    if (on_cuda) {
-        NCP_ARG_CHECK(p->delta != NULL, "the CUDA backward needs a delta workspace");
-        NCP_ARG_CHECK(p->f.sink == NULL || (p->dsink_part != NULL && p->n_part >= ncp_sink_attn_bwd_n_part(p->f.Tq)),
-                      "the CUDA backward needs a dsink workspace of %" PRId32 " partials per head",
-                      ncp_sink_attn_bwd_n_part(p->f.Tq));
-        NCP_ARG_CHECK(p->f.q_pos == NULL || (p->dq_off && p->dq_ent && p->dkv_off && p->dkv_ent),
-                      "positions mode on CUDA needs the dq and dk/dv tile schedules");
-    }
-    return NCP_OK;
-}
-
-/* Host-side checks of the mask arrays (CPU path only: the data is on the host). */
-static ncp_status check_mask_host(const ncp_sink_attn_params *p) {
-    if (p->q_pos == NULL) {
-        const int32_t *cu = p->cu_seqlens;
-        NCP_ARG_CHECK(cu[0] == 0, "cu_seqlens must start at 0; got %" PRId32, cu[0]);
-        for (int32_t i = 1; i < p->n_cu; ++i)
-            NCP_ARG_CHECK(cu[i] >= cu[i - 1], "cu_seqlens must be non-decreasing; cu_seqlens[%" PRId32 "]=%" PRId32
-                          " < cu_seqlens[%" PRId32 "]=%" PRId32, i, cu[i], i - 1, cu[i - 1]);
-        NCP_ARG_CHECK(cu[p->n_cu - 1] == p->Tq, "cu_seqlens must end at the number of tokens %" PRId32 "; got %" PRId32,
-                      p->Tq, cu[p->n_cu - 1]);
-    } else {
-        for (int32_t j = 1; j < p->Tk; ++j)
-            NCP_ARG_CHECK(p->k_pos[j] >= p->k_pos[j - 1], "k_pos must be non-decreasing (index %" PRId32 ")", j);
-    }
-    return NCP_OK;
-}
-
-/* ---------------------------------------------------------------------------------------- */
 /* per-row key ranges                                                                        */
 /* ---------------------------------------------------------------------------------------- */
 
-static int32_t lower_bound_i32(const int32_t *a, int32_t n, int64_t v) {
-    int32_t lo = 0, hi = n;
-    while (lo < hi) {
-        int32_t mid = lo + (hi - lo) / 2;
-        if ((int64_t)a[mid] < v) lo = mid + 1;
-        else hi = mid;
-    }
-    return lo;
-}
-
 /* Visible keys of query i form the index range [*j0, *j1). `doc` walks cu_seqlens forward. */
 static void key_range(const ncp_sink_attn_params *p, int32_t i, int32_t *doc, int32_t *j0, int32_t *j1) {
-    if (p->q_pos == NULL) {
-        while (*doc + 1 < p->n_cu - 1 && p->cu_seqlens[*doc + 1] <= i) ++*doc;
-        int64_t lo = p->cu_seqlens[*doc];
-        if (p->window > 0 && (int64_t)i - p->window + 1 > lo) lo = (int64_t)i - p->window + 1;
-        *j0 = (int32_t)lo;
-        *j1 = i + 1;
-        return;
+    const ncp_attn_mask *m = &p->mask;
+    int64_t lo, hi;
+    if (m->kind == NCP_MASK_DOCS) {
+        while (*doc + 1 < m->n_cu - 1 && m->cu_seqlens[*doc + 1] <= i) ++*doc;
+        lo = m->cu_seqlens[*doc];
+        if (m->window > 0 && (int64_t)i - m->window + 1 > lo) lo = (int64_t)i - m->window + 1;
+        hi = i;
+    } else {
+        lo = m->row_lo[i];
+        hi = m->row_hi[i];
     }
-    *j0 = lower_bound_i32(p->k_pos, p->Tk, p->q_lo[i]);
-    *j1 = lower_bound_i32(p->k_pos, p->Tk, (int64_t)p->q_pos[i] + 1);
-    if (*j1 < *j0) *j1 = *j0;
+    if (lo < 0) lo = 0;
+    if (hi > (int64_t)p->Tk - 1) hi = (int64_t)p->Tk - 1;
+    *j0 = (int32_t)lo;
+    *j1 = hi + 1 > lo ? (int32_t)(hi + 1) : (int32_t)lo;
 }
 
 /* The tensors as contiguous double arrays [T][H][D], converted once (the loops below then run on
  * plain doubles instead of converting every element at every use). */
 typedef struct {
     double *q, *k, *v, *o, *dout; /* q, o, dout: (Tq, Hq, D); k, v: (Tk, Hkv, D) */
-    double sink[4096];
+    double *sink;                 /* (Hq,) */
 } dense;
 
 static double *to_double(const void *src, ncp_dtype dt, int32_t T, int32_t H, int32_t D, int64_t st, int64_t sh) {
@@ -216,6 +139,7 @@ static void dense_free(dense *x) {
     free(x->v);
     free(x->o);
     free(x->dout);
+    free(x->sink);
 }
 
 /* q, k, v (and out, dout for the backward) as doubles; NCP_ERR_NOMEM on failure. */
@@ -230,25 +154,32 @@ static ncp_status dense_init(dense *x, const ncp_sink_attn_params *p, const ncp_
         x->dout = to_double(b->dout, p->dtype, p->Tq, p->Hq, p->D, b->do_st, b->do_sh);
         ok = ok && x->o && x->dout;
     }
-    for (int32_t h = 0; p->sink != NULL && h < p->Hq; ++h) x->sink[h] = load(p->sink, p->sink_dt, h);
+    x->sink = (double *)malloc(((size_t)p->Hq + 1) * sizeof(double));
+    ok = ok && x->sink;
+    for (int32_t h = 0; ok && p->sink != NULL && h < p->Hq; ++h) x->sink[h] = load(p->sink, p->sink_dt, h);
     if (ok) return NCP_OK;
     dense_free(x);
     NCP_FAIL(NCP_ERR_NOMEM, "out of host memory in sink_attention");
 }
 
-/* Scores of row (i, h) over keys [j0, j1) into z; returns lse (or -inf without sink and keys). */
+/* Scores of row (i, h) over keys [j0, j1) into z; returns lse: -inf without sink and keys, NaN
+ * when a score or the sink is NaN (NaN in, NaN out) and, as documented, when a score or the sink is
+ * +inf (exp(inf - inf)). */
 static double row_scores(const ncp_sink_attn_params *p, const dense *x, int32_t i, int32_t h, int32_t j0, int32_t j1,
                          double *z) {
     const int32_t g = h / (p->Hq / p->Hkv), D = p->D;
     const double *qrow = x->q + ((size_t)i * p->Hq + h) * D;
     double m = p->sink ? x->sink[h] : -INFINITY;
+    int nan = isnan(m);
     for (int32_t j = j0; j < j1; ++j) {
         const double *krow = x->k + ((size_t)j * p->Hkv + g) * D;
         double acc = 0.0;
         for (int32_t d = 0; d < D; ++d) acc += qrow[d] * krow[d];
         z[j - j0] = acc * p->scale;
+        nan |= isnan(z[j - j0]);
         if (z[j - j0] > m) m = z[j - j0];
     }
+    if (nan) return NAN;
     if (m == -INFINITY) return -INFINITY;
     double l = p->sink ? exp(x->sink[h] - m) : 0.0;
     for (int32_t j = j0; j < j1; ++j) l += exp(z[j - j0] - m);
@@ -260,9 +191,8 @@ static double row_scores(const ncp_sink_attn_params *p, const dense *x, int32_t 
 /* ---------------------------------------------------------------------------------------- */
 
 ncp_status ncp_sink_attn_fwd_cpu(const ncp_sink_attn_params *p) {
-    NCP_TRY(ncp_sink_attn_check(p, 0));
-    NCP_TRY(check_mask_host(p));
-    NCP_ARG_CHECK(p->Hq <= 4096, "at most 4096 query heads on the CPU; got %" PRId32, p->Hq);
+    NCP_TRY(ncp_sink_attn_validate(p, 0));
+    NCP_TRY(ncp_attn_mask_check_host(&p->mask, p->Tq, p->Tk));
     const int32_t D = p->D, G = p->Hq / p->Hkv;
     dense x;
     NCP_TRY(dense_init(&x, p, NULL));
@@ -330,15 +260,13 @@ static double bwd_row(const ncp_sink_attn_bwd_params *b, const dense *x, int32_t
     }
     const int64_t qb = (int64_t)i * b->dq_st + (int64_t)h * b->dq_sh;
     for (int32_t d = 0; d < D; ++d) store(b->dq, p->dtype, qb + d, dqrow[d]);
-    if (b->delta != NULL) b->delta[(int64_t)h * p->Tq + i] = (float)delta;
     return p->sink && lse != -INFINITY ? -exp(x->sink[h] - lse) * delta : 0.0;
 }
 
 ncp_status ncp_sink_attn_bwd_cpu(const ncp_sink_attn_bwd_params *b) {
-    NCP_TRY(ncp_sink_attn_bwd_check(b, 0));
+    NCP_TRY(ncp_sink_attn_bwd_validate(b, 0));
     const ncp_sink_attn_params *p = &b->f;
-    NCP_TRY(check_mask_host(p));
-    NCP_ARG_CHECK(p->Hq <= 4096, "at most 4096 query heads on the CPU; got %" PRId32, p->Hq);
+    NCP_TRY(ncp_attn_mask_check_host(&p->mask, p->Tq, p->Tk));
     const int32_t D = p->D, Hkv = p->Hkv;
     const size_t kv_elems = (size_t)p->Tk * (size_t)Hkv * (size_t)D;
     dense x;

@@ -17,6 +17,7 @@
 #include <stdint.h>
 
 #include "ncp/ncp.h"
+#include "ncp_view.h"
 
 /* ---- DLPack ABI (v0.8 legacy and v1.x versioned) ---------------------------------------- */
 enum { NCP_DL_CPU = 1, NCP_DL_CUDA = 2, NCP_DL_CUDA_HOST = 3, NCP_DL_CUDA_MANAGED = 13 };
@@ -62,31 +63,9 @@ typedef struct ncp_dl_managed_versioned {
     ncp_dl_tensor dl_tensor;
 } ncp_dl_managed_versioned;
 
-/* ---- our view --------------------------------------------------------------------------- */
-#define NCP_MAX_NDIM 8
-
-typedef enum { NCP_DEV_NONE = 0, NCP_DEV_CPU = 1, NCP_DEV_CUDA = 2 } ncp_device_kind;
-
-typedef struct {
-    void *data;           /* data + byte_offset */
-    ncp_device_kind device;
-    int32_t device_id;
-    ncp_dtype dtype;
-    int32_t ndim;
-    int64_t shape[NCP_MAX_NDIM];
-    int64_t strides[NCP_MAX_NDIM]; /* in elements, compact when the producer gave none */
-    int present;          /* 0 for an optional argument passed as None */
-} ncp_view;
-
 /* Fills *v from a DLPack capsule (legacy "dltensor" or "dltensor_versioned"); `name` is the
  * argument's name for error messages. None gives present = 0 when allow_none, else an error.
  * Returns 0 on success, -1 with a Python exception set. */
 int ncp_view_from_capsule(PyObject *obj, const char *name, int allow_none, ncp_view *v);
-
-/* Number of elements; 1 for 0-d. */
-int64_t ncp_view_numel(const ncp_view *v);
-/* Row-major contiguous (strides compact for the shape, size-1 dims ignored). */
-int ncp_view_is_contiguous(const ncp_view *v);
-const char *ncp_dtype_name(ncp_dtype dt);
 
 #endif /* NCP_DLPACK_VIEW_H */

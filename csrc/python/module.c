@@ -19,13 +19,7 @@
 #include "ncp/ncp.h"
 #include "pyargs.h"
 
-/* module_attn.c */
-PyObject *ncp_py_sink_attn_fwd(PyObject *m, PyObject *const *args, Py_ssize_t nargs);
-PyObject *ncp_py_sink_attn_bwd(PyObject *m, PyObject *const *args, Py_ssize_t nargs);
-PyObject *ncp_py_sink_attn_bwd_n_part(PyObject *m, PyObject *const *args, Py_ssize_t nargs);
-PyObject *ncp_py_magi_geometry(PyObject *m, PyObject *const *args, Py_ssize_t nargs);
-PyObject *ncp_py_magi_dispatch(PyObject *m, PyObject *const *args, Py_ssize_t nargs);
-PyObject *ncp_py_plan_build(PyObject *m, PyObject *const *args, Py_ssize_t nargs);
+#include "module_attn.h"
 
 /* ======================================================================================== */
 /* thd partition                                                                             */
@@ -229,21 +223,7 @@ static PyObject *py_mimo_shard(PyObject *m, PyObject *const *args, Py_ssize_t na
 static PyObject *py_build_info(PyObject *m, PyObject *noargs) {
     (void)m;
     (void)noargs;
-    return Py_BuildValue("{s:O,s:s,s:i,s:i,s:i,s:i}", "cuda", ncp_built_with_cuda() ? Py_True : Py_False, "cuda_archs",
-                         ncp_cuda_archs(), "fwd_bm", NCP_FWD_BM, "fwd_bn", NCP_FWD_BN, "bwd_bm", NCP_BWD_BM, "bwd_bn",
-                         NCP_BWD_BN);
-}
-
-static PyObject *py_sink_attn_fwd_variant(PyObject *m, PyObject *noargs) {
-    (void)m;
-    (void)noargs;
-    return PyLong_FromLong(ncp_sink_attn_fwd_variant());
-}
-
-static PyObject *py_sink_attn_bwd_variant(PyObject *m, PyObject *noargs) {
-    (void)m;
-    (void)noargs;
-    return PyLong_FromLong(ncp_sink_attn_bwd_variant());
+    return Py_BuildValue("{s:O,s:s}", "cuda", ncp_built_with_cuda() ? Py_True : Py_False, "cuda_archs", ncp_cuda_archs());
 }
 
 static PyMethodDef methods[] = {
@@ -257,25 +237,8 @@ static PyMethodDef methods[] = {
      "mimo_layout(seq_lens, seq_lens_padded, buf, S, num_chunks, cp_size, sentinel) -> info tuple."},
     {"mimo_shard", (PyCFunction)(void (*)(void))py_mimo_shard, METH_FASTCALL,
      "mimo_shard(...): fused MiMo shard pass (gathers, masks, local indices)."},
-    {"sink_attn_fwd", (PyCFunction)(void (*)(void))ncp_py_sink_attn_fwd, METH_FASTCALL,
-     "sink_attn_fwd(q, k, v, sink, out, lse, scale, mask, stream)."},
-    {"sink_attn_bwd", (PyCFunction)(void (*)(void))ncp_py_sink_attn_bwd, METH_FASTCALL,
-     "sink_attn_bwd(q, k, v, sink, out, lse, dout, dq, dk, dv, dsink, delta, dsink_part, scale, mask, "
-     "deterministic, stream, dq_accum). dq_accum: None or a (Hq, ceil(Tq/64)*64, D) fp32 workspace for the "
-     "non-deterministic Hopper backward."},
-    {"sink_attn_bwd_n_part", (PyCFunction)(void (*)(void))ncp_py_sink_attn_bwd_n_part, METH_FASTCALL,
-     "sink_attn_bwd_n_part(Tq) -> dsink partials per head (CUDA backward workspace)."},
-    {"magi_geometry", (PyCFunction)(void (*)(void))ncp_py_magi_geometry, METH_FASTCALL,
-     "magi_geometry(total, cp_size, requested_chunk, min_chunks_per_rank) -> (chunk_size, total_padded)."},
-    {"magi_dispatch", (PyCFunction)(void (*)(void))ncp_py_magi_dispatch, METH_FASTCALL,
-     "magi_dispatch(cu_seqlens_host, cp_size, chunk_size, total_padded, owner_out)."},
-    {"plan_build", (PyCFunction)(void (*)(void))ncp_py_plan_build, METH_FASTCALL,
-     "plan_build(cu_seqlens_host, cp_size, cp_rank, requested_chunk, min_chunks_per_rank, windows) -> dict."},
+    NCP_ATTN_METHODS,
     {"build_info", py_build_info, METH_NOARGS, "build_info() -> dict describing this build."},
-    {"sink_attn_fwd_variant", py_sink_attn_fwd_variant, METH_NOARGS,
-     "sink_attn_fwd_variant() -> CUDA forward kernel on the current device (4 Hopper, 1-3 portable, 0 none)."},
-    {"sink_attn_bwd_variant", py_sink_attn_bwd_variant, METH_NOARGS,
-     "sink_attn_bwd_variant() -> CUDA backward kernels, contiguous mode (4 Hopper, 1 portable, 0 none)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -31,11 +31,16 @@ int ncp_py_nargs(const char *fn, Py_ssize_t nargs, Py_ssize_t want) {
 }
 
 int ncp_py_i64(PyObject *o, const char *name, int64_t *out) {
-    if (!PyLong_Check(o)) {
+    if (!PyLong_Check(o) || PyBool_Check(o)) {
         PyErr_Format(PyExc_TypeError, "%s must be an int, got %.80s", name, Py_TYPE(o)->tp_name);
         return -1;
     }
-    long long v = PyLong_AsLongLong(o);
+    int overflow = 0;
+    long long v = PyLong_AsLongLongAndOverflow(o, &overflow);
+    if (overflow != 0) {
+        PyErr_Format(PyExc_ValueError, "%s=%R does not fit in int64", name, o);
+        return -1;
+    }
     if (v == -1 && PyErr_Occurred()) return -1;
     *out = (int64_t)v;
     return 0;
@@ -53,10 +58,14 @@ int ncp_py_i32(PyObject *o, const char *name, int32_t *out) {
 }
 
 int ncp_py_f64(PyObject *o, const char *name, double *out) {
+    if (PyBool_Check(o) || !(PyFloat_Check(o) || PyLong_Check(o))) {
+        PyErr_Format(PyExc_TypeError, "%s must be a float, got %.80s", name, Py_TYPE(o)->tp_name);
+        return -1;
+    }
     double v = PyFloat_AsDouble(o);
     if (v == -1.0 && PyErr_Occurred()) return -1;
     if (!isfinite(v)) {
-        PyErr_Format(PyExc_ValueError, "%s must be finite", name);
+        PyErr_Format(PyExc_ValueError, "%s must be finite; got %R", name, o);
         return -1;
     }
     *out = v;
@@ -149,4 +158,38 @@ void ncp_py_cuda_exit(int32_t prev) {
 #else
     (void)prev;
 #endif
+}
+
+/* ---- keyword arguments -------------------------------------------------------------------- */
+
+int ncp_py_kwargs(ncp_kwspec *spec, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames, PyObject **out) {
+    if (spec->interned[0] == NULL) { /* first call: intern the names once */
+        for (int i = 0; i < spec->n; ++i)
+            if ((spec->interned[i] = PyUnicode_InternFromString(spec->names[i])) == NULL) return -1;
+    }
+    if (nargs != 0) {
+        PyErr_Format(PyExc_TypeError, "%s() takes keyword arguments only (%zd positional given)", spec->fn, nargs);
+        return -1;
+    }
+    for (int i = 0; i < spec->n; ++i) out[i] = NULL;
+    const Py_ssize_t nk = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+    for (Py_ssize_t j = 0; j < nk; ++j) {
+        PyObject *key = PyTuple_GET_ITEM(kwnames, j);
+        int found = -1;
+        for (int i = 0; i < spec->n && found < 0; ++i)
+            if (key == spec->interned[i]) found = i; /* call-site names are interned */
+        for (int i = 0; i < spec->n && found < 0; ++i)
+            if (PyUnicode_Compare(key, spec->interned[i]) == 0) found = i;
+        if (found < 0) {
+            PyErr_Format(PyExc_TypeError, "%s() got an unexpected keyword argument %R", spec->fn, key);
+            return -1;
+        }
+        out[found] = args[nargs + j];
+    }
+    for (int i = 0; i < spec->n; ++i)
+        if (out[i] == NULL && ((spec->required >> i) & 1u)) {
+            PyErr_Format(PyExc_TypeError, "%s() missing required keyword argument '%s'", spec->fn, spec->names[i]);
+            return -1;
+        }
+    return 0;
 }

@@ -22,6 +22,19 @@ int ncp_py_i32(PyObject *o, const char *name, int32_t *out);
 int ncp_py_f64(PyObject *o, const char *name, double *out);
 int ncp_py_stream(PyObject *o, void **out);
 
+/* Keyword-only arguments of a METH_FASTCALL | METH_KEYWORDS function, by name (no positional
+ * lists at the boundary). `required` has bit i set for each required name; absent optional
+ * arguments come back as NULL. The names are interned on the first call. */
+#define NCP_KW_MAX 32
+typedef struct {
+    const char *fn;
+    int n;
+    unsigned required;
+    const char *names[NCP_KW_MAX];
+    PyObject *interned[NCP_KW_MAX];
+} ncp_kwspec;
+int ncp_py_kwargs(ncp_kwspec *spec, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames, PyObject **out);
+
 #define NCP_DT(x) (1u << (x))
 #define NCP_DT_INT (NCP_DT(NCP_DT_I32) | NCP_DT(NCP_DT_I64))
 #define NCP_DT_FLOAT (NCP_DT(NCP_DT_F16) | NCP_DT(NCP_DT_BF16) | NCP_DT(NCP_DT_F32) | NCP_DT(NCP_DT_F64))

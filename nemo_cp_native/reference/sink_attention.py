@@ -18,6 +18,10 @@ boundaries, query ``p`` sees keys of its own document with ``key <= p`` and, whe
 ``p - key < window`` (the window counts the current token). It is ``attention_positions_ref`` with
 ``q_pos = k_pos = arange(T)`` and ``q_lo = max(doc_start, p - window + 1)``.
 
+``attention_table_ref`` is the table form the CP kernels take: query ``i`` sees the key rows
+``[row_lo[i], row_hi[i]]``; it is ``attention_positions_ref`` with ``k_pos = arange(Tk)``,
+``q_lo = row_lo`` and ``q_pos = row_hi``.
+
 ``upcast=True`` computes everything in float64 (the reference). ``upcast=False`` mimics a naive
 low-precision reference step by step (FlashAttention's ``attention_ref(..., upcast=False)``):
 QK^T in the input dtype, softmax statistics in float32, P rounded to the input dtype before P@V in
@@ -31,6 +35,7 @@ import torch
 
 __all__ = [
     "attention_positions_ref",
+    "attention_table_ref",
     "attention_ref",
     "document_starts",
     "sink_grad_closed_form",
@@ -117,6 +122,13 @@ def attention_positions_ref(
         out = torch.where(empty[:, None, None], torch.zeros((), dtype=out.dtype), out)
         lse = torch.where(empty[None, :], torch.full((), float("-inf"), dtype=lse.dtype), lse)
     return out, lse
+
+
+def attention_table_ref(q, k, v, sink, row_lo, row_hi, *, scale=None, upcast=True):
+    """Sink attention where query ``i`` sees the key rows ``[row_lo[i], row_hi[i]]`` (none when
+    ``row_lo[i] > row_hi[i]``). Same arguments and results as ``attention_positions_ref``."""
+    k_pos = torch.arange(k.shape[0], device=row_lo.device)
+    return attention_positions_ref(q, k, v, sink, row_hi, row_lo, k_pos, scale=scale, upcast=upcast)
 
 
 def document_starts(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:

@@ -146,11 +146,25 @@ ncp_status ncp_mimo_shard_cuda(const ncp_mimo_shard_params *p, void *stream);
 /* Learned-sink attention                                                                      */
 /* ------------------------------------------------------------------------------------------ */
 
-/* Tile geometry of the CUDA kernels; schedules built on the host use these. */
-#define NCP_FWD_BM 128
-#define NCP_FWD_BN 64
-#define NCP_BWD_BM 64
-#define NCP_BWD_BN 64
+/* Which keys each query row sees: row i sees the keys [lo(i), hi(i)] (none when lo(i) > hi(i)),
+ * with lo and hi non-decreasing in i, so a block of rows sees one contiguous key range.
+ *   NCP_MASK_DOCS   contiguous THD documents (single device): Tq == Tk, key j sits at position j,
+ *                   lo(i) = max(doc_start(i), i - window + 1), hi(i) = i.
+ *   NCP_MASK_TABLE  per-row bounds from tables (context parallelism: the K/V buffer is sorted by
+ *                   global position, so what a query sees is one buffer range):
+ *                   lo(i) = row_lo[i], hi(i) = row_hi[i]. Kernels clamp both to [0, Tk) and never
+ *                   read or write out of bounds; tables that are not non-decreasing give
+ *                   undefined values but no invalid memory access. */
+typedef enum { NCP_MASK_DOCS = 0, NCP_MASK_TABLE = 1 } ncp_mask_kind;
+
+typedef struct {
+    ncp_mask_kind kind;
+    const int32_t *cu_seqlens; /* DOCS: (n_cu,) document boundaries, cu[0] = 0, cu[n_cu-1] = Tq */
+    int32_t n_cu;
+    int32_t window;            /* DOCS: keys counting the current token; 0 = whole causal document */
+    const int32_t *row_lo;     /* TABLE: (Tq,) first visible key row */
+    const int32_t *row_hi;     /* TABLE: (Tq,) last visible key row (< row_lo: sees nothing) */
+} ncp_attn_mask;
 
 typedef struct {
     const void *q;       /* (Tq, Hq, D) */
@@ -164,18 +178,7 @@ typedef struct {
     int32_t Tq, Tk, Hq, Hkv, D;
     double scale;        /* score scale (double: fp64 CPU runs use it exactly; kernels round it) */
     ncp_dtype dtype;     /* of q, k, v, out */
-    /* Mask, contiguous mode (q_pos == NULL): Tq == Tk and token i sits at position i. */
-    const int32_t *cu_seqlens; /* (n_cu,) document boundaries, cu[0] = 0, cu[n_cu-1] = Tq */
-    int32_t n_cu;
-    int32_t window;      /* keys counting the current token; 0 = whole causal document */
-    /* Mask, positions mode: query i sees key j iff q_lo[i] <= k_pos[j] <= q_pos[i]. */
-    const int32_t *q_pos; /* (Tq,) global positions */
-    const int32_t *q_lo;  /* (Tq,) first visible position (INT32_MAX: sees nothing) */
-    const int32_t *k_pos; /* (Tk,) non-decreasing global positions */
-    /* Tile schedules (CUDA, positions mode): CSR over tiles, entries = tile * 2 + full. */
-    const int32_t *fwd_off;  /* (ceil(Tq/NCP_FWD_BM)+1,) */
-    const int32_t *fwd_ent;
-    int32_t deterministic;   /* backward: nonzero = bitwise repeatable (see dq_accum); forward: unused */
+    ncp_attn_mask mask;
 } ncp_sink_attn_params;
 
 typedef struct {
@@ -187,36 +190,43 @@ typedef struct {
     void *dv;                /* (Tk, Hkv, D) */
     int64_t dq_st, dq_sh, dk_st, dk_sh, dv_st, dv_sh;
     void *dsink;             /* (Hq,) dtype f.sink_dt, or NULL when f.sink is NULL */
-    float *delta;            /* (Hq, Tq) fp32 workspace: rowsum(dO * O) */
-    float *dsink_part;       /* (Hq, n_part) fp32 workspace (CUDA) */
-    int32_t n_part;
-    const int32_t *dq_off, *dq_ent;     /* positions mode: q tiles (NCP_BWD_BM) -> kv tiles */
-    const int32_t *dkv_off, *dkv_ent;   /* positions mode: kv tiles (NCP_BWD_BN) -> q tiles */
-    /* (Hq, ceil(Tq / 64) * 64, D) fp32 contiguous workspace, 16-byte aligned, or NULL. With
-     * f.deterministic == 0 the Hopper backward (contiguous mode) zeroes it and accumulates dQ there
-     * with atomic reductions inside the dK/dV kernel (5 MMAs per tile instead of 7; the summation
-     * order, so the last bits of dq, vary from run to run). NULL or f.deterministic != 0: the
-     * deterministic two-kernel backward. Other paths ignore it. */
-    float *dq_accum;
+    int32_t deterministic;   /* nonzero: bitwise repeatable (CUDA: dQ from its own kernel, no atomics) */
+    void *workspace;         /* CUDA: ncp_sink_attn_bwd_workspace() bytes, 256-byte aligned; CPU: unused */
+    int64_t workspace_bytes;
 } ncp_sink_attn_bwd_params;
 
-/* Validates and computes out and lse. CPU: any of f16/bf16/f32/f64, accumulation in double. */
+/* Validates every fact about the arguments that C can check (NULL pointers, sizes, dtypes, head
+ * dims, strides and alignment for the CUDA kernels, the mask fields) with messages that name the
+ * argument. on_cuda selects the CUDA rules. Called by every entry point below. */
+ncp_status ncp_sink_attn_validate(const ncp_sink_attn_params *p, int on_cuda);
+ncp_status ncp_sink_attn_bwd_validate(const ncp_sink_attn_bwd_params *p, int on_cuda);
+
+/* Forward: out and lse. CPU: any of f16/bf16/f32/f64, every sum in double (the second oracle). */
 ncp_status ncp_sink_attn_fwd_cpu(const ncp_sink_attn_params *p);
 ncp_status ncp_sink_attn_bwd_cpu(const ncp_sink_attn_bwd_params *p);
-/* CUDA: f16/bf16, D in {64, 128}, tensor cores; launches on `stream`. */
+/* CUDA: f16/bf16, D in {64, 128}; launches on `stream` (the kernel choice: ncp_sink_attn_kernels). */
 ncp_status ncp_sink_attn_fwd_cuda(const ncp_sink_attn_params *p, void *stream);
 ncp_status ncp_sink_attn_bwd_cuda(const ncp_sink_attn_bwd_params *p, void *stream);
-/* Rows per dsink partial sum in the CUDA backward's pre-pass. */
-#define NCP_BWD_PRE_ROWS 128
-/* Number of dsink partial sums per head the CUDA backward needs for Tq queries. */
-int32_t ncp_sink_attn_bwd_n_part(int32_t Tq);
-/* Which CUDA forward kernel a call on the current device runs: 4 = Hopper (wgmma + TMA, sm_90a
- * build on compute capability 9.0), 1-3 = the portable mma.sync layouts, 0 = no CUDA build.
- * NCP_FWD_VARIANT=1..4 in the environment picks one (4 falls back to 3 where unusable). */
-int ncp_sink_attn_fwd_variant(void);
-/* Which CUDA backward kernels a contiguous-mode call runs: 4 = Hopper dK/dV and dQ, 1 = portable,
- * 0 = no CUDA build. NCP_BWD_VARIANT=1 forces the portable ones. Positions mode is always 1. */
-int ncp_sink_attn_bwd_variant(void);
+
+/* Bytes of workspace the CUDA backward needs on the current device for these sizes (0 on a build
+ * without CUDA); the dispatcher alone decides, so callers never size buffers by kernel. */
+int64_t ncp_sink_attn_bwd_workspace(int32_t Tq, int32_t Hq, int32_t D, int32_t has_sink, int32_t deterministic);
+
+/* Names of the kernels a call on the current device runs: forward and backward, e.g. "sm90" and
+ * "sm90-atomic-dq", "sm90-deterministic", "portable"; "none" without a CUDA build. */
+void ncp_sink_attn_kernels(int32_t deterministic, const char **fwd, const char **bwd);
+
+/* Test hooks, one struct read once per call by the dispatcher (never environment variables):
+ * portable = 1 runs the portable mma.sync kernels on any GPU; grid > 0 caps the persistent Hopper
+ * forward at that many CTAs (a value >= the work items gives one CTA per item); whole_tiles = 1
+ * turns the Hopper forward's half tiles off (the same bits). */
+typedef struct {
+    int32_t portable;
+    int32_t grid;
+    int32_t whole_tiles;
+} ncp_attn_debug;
+void ncp_attn_debug_set(const ncp_attn_debug *d);
+ncp_attn_debug ncp_attn_debug_get(void);
 
 /* ------------------------------------------------------------------------------------------ */
 /* Magi dispatch and Flint CP plans (host)                                                     */
@@ -250,10 +260,8 @@ typedef struct {
     ncp_i32_array kv_src;           /* (L + R,) row of cat(local, received) feeding each buffer slot */
     ncp_i32_array local_slot;       /* (L,) buffer slot of each local row */
     ncp_i32_array recv_slot;        /* (R,) buffer slot of each received row */
-    ncp_i32_array q_lo;             /* (L,) first visible position per local query */
-    ncp_i32_array fwd_off, fwd_ent; /* forward schedule, NCP_FWD_BM x NCP_FWD_BN */
-    ncp_i32_array dq_off, dq_ent;   /* dq schedule, NCP_BWD_BM x NCP_BWD_BN */
-    ncp_i32_array dkv_off, dkv_ent; /* dk/dv schedule, kv tiles -> q tiles */
+    ncp_i32_array q_lo;             /* (L,) first visible global position per local query */
+    ncp_i32_array row_lo, row_hi;   /* (L,) NCP_MASK_TABLE bounds: buffer slots [row_lo, row_hi] */
 } ncp_plan_window;
 
 typedef struct {

@@ -1,13 +1,13 @@
 /*
- * cuda/sm90_host.cu: host helpers shared by the Hopper (sm_90a) attention kernels: the TMA tensor
+ * sm90/tma_host.cu: host helpers shared by the Hopper (sm_90a) attention kernels: the TMA tensor
  * map of a [T, H, D] 16-bit tensor (cuTensorMapEncodeTiled through the runtime's driver entry
  * point, 128B swizzle, boxes of 64 columns x one head x box_rows tokens) and the run-time check
  * that the Hopper kernels can run (sm_90a build, compute capability 9.0, the driver entry point).
- * Declared in sm90_common.cuh. Test: pytest tests/test_sink_attention_cuda.py
+ * Declared in arch.cuh. Test: pytest tests/test_sink_attention_cuda.py
  */
 #include "ncp/ncp_check.h"
 #include "ncp_internal.h"
-#include "sm90_common.cuh"
+#include "arch.cuh"
 
 typedef CUresult (*ncp_encode_tiled_fn)(CUtensorMap *, CUtensorMapDataType, cuuint32_t, void *, const cuuint64_t *,
                                         const cuuint64_t *, const cuuint32_t *, const cuuint32_t *, CUtensorMapInterleave,

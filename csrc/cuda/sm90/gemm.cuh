@@ -1,6 +1,6 @@
 /*
- * sm90_gemm.cuh: the two warpgroup GEMM shapes of the Hopper sink-attention kernels, on 128B-swizzled
- * shared tiles (layout: sm90_common.cuh), issued asynchronously and committed as one group:
+ * sm90/gemm.cuh: the two warpgroup GEMM shapes of the Hopper sink-attention kernels, on 128B-swizzled
+ * shared tiles (layout: arch.cuh), issued asynchronously and committed as one group:
  *   gemm_ss: acc[64 x N] (=|+=) A[64 x K] B[N x K]^T, both K-major (K = D: D/64 column blocks,
  *            a_cb / b_cb bytes apart); acc is overwritten (first k-step with scale_d = 0).
  *   gemm_rs: acc[64 x N] += A[64 x K] B[K x N], A as register fragments (K/16 of them), B MN-major
@@ -10,8 +10,8 @@
 #ifndef NCP_SM90_GEMM_CUH
 #define NCP_SM90_GEMM_CUH
 
-#include "sm90_common.cuh"
-#include "sm90_wgmma.cuh"
+#include "arch.cuh"
+#include "wgmma.cuh"
 
 namespace ncp {
 namespace sm90 {

@@ -1,5 +1,7 @@
 /*
- * cuda/sink_attn_bwd.cu: learned-sink attention backward, tensor cores (mma.sync, sm_80+).
+ * sink_attn/portable_bwd.cu: learned-sink attention backward on tensor cores with mma.sync (any
+ * sm_80+ GPU), and the pre-pass every backward runs. Kernels and launchers only (the dispatcher,
+ * dispatch.cu, decides which backward runs).
  *
  * With P_ij = exp(s <q_i, k_j> - lse_i) (lse includes the sink) and D_i = <dO_i, O_i>:
  *     dS_ij = P_ij (<dO_i, v_j> - D_i)
@@ -15,25 +17,18 @@
  *   bwd_dq_kernel     one CTA per (q tile of 64 rows, head): recomputes P and dP = dO V^T over the
  *                     same visible tiles as the forward and accumulates dQ in registers
  * dQ from its own kernel costs two extra GEMMs instead of fp32 atomics, and makes every gradient
- * bitwise reproducible.
- *
- * Versions: v1 (this). Measured: BENCHMARKS.md.
+ * bitwise reproducible. Both mask policies (mask.cuh).
  * Test: pytest tests/test_sink_attention_cuda.py   Bench: python benchmarks/bench_sink_attention.py
  */
-#include <stdlib.h>
-
-#include "ncp/ncp_check.h"
-#include "ncp_internal.h"
-#include "sink_attn_common.cuh"
-#include "sm90_common.cuh"
-
-extern "C" ncp_status ncp_sink_attn_check_vector_access(const ncp_sink_attn_params *p);
+#include "common.cuh"
+#include "launch.h"
+#include "mask.cuh"
 
 namespace ncp {
 namespace {
 
-constexpr int QB = NCP_BWD_BM; /* 64 query rows per step / per dQ CTA */
-constexpr int KB = NCP_BWD_BN; /* 64 keys per dK/dV CTA and per dQ kv tile */
+constexpr int QB = 64; /* query rows per step / per dQ CTA */
+constexpr int KB = 64; /* keys per dK/dV CTA and per dQ kv tile */
 constexpr int kWarps = 4;
 constexpr int kThreads = 32 * kWarps;
 static_assert(QB == 16 * kWarps && KB == 16 * kWarps, "one m16 tile per warp");
@@ -44,8 +39,9 @@ static_assert(QB == 16 * kWarps && KB == 16 * kWarps, "one m16 tile per warp");
 
 constexpr int kPreThreads = 256;
 
-template <typename T, int D> __global__ void __launch_bounds__(kPreThreads) bwd_pre_kernel(const ncp_sink_attn_bwd_params b) {
-    constexpr int LPR = D / 8, RPW = 32 / LPR, kRows = NCP_BWD_PRE_ROWS;
+template <typename T, int D>
+__global__ void __launch_bounds__(kPreThreads) bwd_pre_kernel(const ncp_sink_attn_bwd_params b, const bwd_workspace ws) {
+    constexpr int LPR = D / 8, RPW = 32 / LPR, kRows = kPreRows;
     const ncp_sink_attn_params &p = b.f;
     const int h = blockIdx.y, r0 = blockIdx.x * kRows, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const bool has_sink = p.sink != nullptr;
@@ -69,7 +65,7 @@ template <typename T, int D> __global__ void __launch_bounds__(kPreThreads) bwd_
 #pragma unroll
         for (int off = LPR / 2; off > 0; off >>= 1) d += __shfl_xor_sync(0xffffffffu, d, off);
         if (c == 0 && i < p.Tq) {
-            b.delta[(int64_t)h * p.Tq + i] = d;
+            ws.delta[(int64_t)h * p.Tq + i] = d;
             if (has_sink) part -= expf(sink - p.lse[(int64_t)h * p.Tq + i]) * d;
         }
     }
@@ -82,14 +78,14 @@ template <typename T, int D> __global__ void __launch_bounds__(kPreThreads) bwd_
     if (threadIdx.x == 0) {
         float total = 0.f;
         for (int w = 0; w < kPreThreads / 32; ++w) total += s_part[w];
-        b.dsink_part[(int64_t)h * b.n_part + blockIdx.x] = total;
+        ws.dsink_part[(int64_t)h * ws.n_part + blockIdx.x] = total;
     }
 }
 
-__global__ void dsink_reduce_kernel(const ncp_sink_attn_bwd_params b, int n_blocks) {
+__global__ void dsink_reduce_kernel(const ncp_sink_attn_bwd_params b, const bwd_workspace ws) {
     for (int h = blockIdx.x * blockDim.x + threadIdx.x; h < b.f.Hq; h += gridDim.x * blockDim.x) {
         float total = 0.f;
-        for (int k = 0; k < n_blocks; ++k) total += b.dsink_part[(int64_t)h * b.n_part + k];
+        for (int k = 0; k < ws.n_part; ++k) total += ws.dsink_part[(int64_t)h * ws.n_part + k];
         reinterpret_cast<float *>(b.dsink)[h] = total;
     }
 }
@@ -126,14 +122,45 @@ __device__ __forceinline__ void store_tile(float (*acc)[4], float mul, uint32_t 
     __syncthreads();
 }
 
-/* Contiguous mode: q tiles [qt_lo, qt_hi] that see some key of [k0, k0 + KB). */
-__device__ __forceinline__ void contiguous_kv_range(const ncp_sink_attn_params &p, int k0, int &qt_lo, int &qt_hi) {
-    const int k_last = min(k0 + KB, p.Tk) - 1;
-    int q_hi = doc_end(p.cu_seqlens, p.n_cu, k_last, p.Tq) - 1;
-    if (p.window > 0) q_hi = min(q_hi, k_last + p.window - 1);
-    q_hi = min(q_hi, p.Tq - 1);
-    qt_lo = k0 / QB;
-    qt_hi = q_hi / QB;
+/* acc (16 x N per warp) = A B^T: rows [arow, arow + 16) of the [row][k] tile sA against rows
+ * [0, N) of the [n][k] tile sB, k over D. */
+template <typename T, int D, int N>
+__device__ __forceinline__ void mma_abt(float (*acc)[4], uint32_t sA, int arow, uint32_t sB, int lane) {
+#pragma unroll
+    for (int i = 0; i < N / 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+        uint32_t a[4];
+        load_a<D>(a, sA, arow, 2 * ks, lane);
+#pragma unroll
+        for (int np = 0; np < N / 16; ++np) {
+            uint32_t bb[4];
+            load_b_nk<D>(bb, sB, np * 16, 2 * ks, lane);
+            mma16816<T>(acc[2 * np], a, bb);
+            mma16816<T>(acc[2 * np + 1], a, bb + 2);
+        }
+    }
+}
+
+/* acc (16 x D per warp) += P B: P the warp's 16 x K accumulators (packed to A fragments), B rows
+ * [0, K) of the [k][d] tile sB. */
+template <typename T, int D, int K>
+__device__ __forceinline__ void mma_pb(float (*acc)[4], const float (*pm)[4], uint32_t sB, int lane) {
+#pragma unroll
+    for (int kk = 0; kk < K / 16; ++kk) {
+        uint32_t a[4];
+        a[0] = elem<T>::pack(pm[2 * kk][0], pm[2 * kk][1]);
+        a[1] = elem<T>::pack(pm[2 * kk][2], pm[2 * kk][3]);
+        a[2] = elem<T>::pack(pm[2 * kk + 1][0], pm[2 * kk + 1][1]);
+        a[3] = elem<T>::pack(pm[2 * kk + 1][2], pm[2 * kk + 1][3]);
+#pragma unroll
+        for (int dp = 0; dp < D / 16; ++dp) {
+            uint32_t bb[4];
+            load_b_kn<D>(bb, sB, kk * 16, 2 * dp, lane);
+            mma16816<T>(acc[2 * dp], a, bb);
+            mma16816<T>(acc[2 * dp + 1], a, bb + 2);
+        }
+    }
 }
 
 /* ======================================================================================== */
@@ -142,39 +169,25 @@ __device__ __forceinline__ void contiguous_kv_range(const ncp_sink_attn_params &
 
 template <int D> constexpr int dkdv_smem_bytes() { return (2 * KB * D + 4 * QB * D) * 2 + 2 * 4 * QB * 4; }
 
-template <typename T, int D>
-__global__ void __launch_bounds__(kThreads, 2) bwd_dkdv_kernel(const ncp_sink_attn_bwd_params b) {
+template <typename T, int D, class Mask>
+__global__ void __launch_bounds__(kThreads, 2) bwd_dkdv_kernel(const ncp_sink_attn_bwd_params b, const bwd_workspace ws) {
     extern __shared__ __align__(128) unsigned char smem[];
     const ncp_sink_attn_params &p = b.f;
     const uint32_t sK = smem_u32(smem), sV = sK + KB * D * 2, sQ0 = sV + KB * D * 2, sO0 = sQ0 + 2 * QB * D * 2;
     float *s_lse = reinterpret_cast<float *>(smem + (2 * KB * D + 4 * QB * D) * 2); /* [2][QB] */
     float *s_dl = s_lse + 2 * QB;
-    int *s_qpos = reinterpret_cast<int *>(s_dl + 2 * QB), *s_qlo = s_qpos + 2 * QB;
+    int *s_qpos = reinterpret_cast<int *>(s_dl + 2 * QB), *s_qlo = s_qpos + 2 * QB; /* row bounds hi, lo */
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, gq = lane >> 2, tq = lane & 3;
-    const int g_kv = blockIdx.x, kt = blockIdx.y, k0 = kt * KB, G = p.Hq / p.Hkv;
-    const bool positions = p.q_pos != nullptr;
-
-    int n_q, e0 = 0, qt_lo = 0, qt_hi = -1;
-    if (positions) {
-        e0 = __ldg(b.dkv_off + kt);
-        n_q = __ldg(b.dkv_off + kt + 1) - e0;
-    } else {
-        contiguous_kv_range(p, k0, qt_lo, qt_hi);
-        n_q = max(0, qt_hi - qt_lo + 1);
-    }
-    const int n_it = n_q * G;
+    const int g_kv = blockIdx.x, k0 = blockIdx.y * KB, G = p.Hq / p.Hkv;
+    const Mask mask(p);
+    int r0, r1; /* the rows that see a key of the CTA */
+    mask.rows_seeing(k0, min(k0 + KB, p.Tk) - 1, r0, r1);
+    const int qt_lo = r0 / QB, n_q = r1 >= r0 ? r1 / QB - qt_lo + 1 : 0, n_it = n_q * G;
     auto item = [&](int it, int &h, bool &full) -> int {
-        const int qi = it % n_q;
+        const int qt = qt_lo + it % n_q, a = qt * QB;
         h = g_kv * G + it / n_q;
-        if (positions) {
-            const int e = __ldg(b.dkv_ent + e0 + qi);
-            full = e & 1;
-            return e >> 1;
-        }
-        const int qt = qt_lo + qi, a = qt * QB;
-        const int lo_last = first_key(p.cu_seqlens, p.n_cu, p.window, min(a + QB, p.Tq) - 1);
-        full = a + QB <= p.Tq && k0 + KB <= p.Tk && k0 + KB - 1 <= a && k0 >= lo_last;
+        full = a + QB <= p.Tq && k0 + KB <= p.Tk && k0 + KB - 1 <= mask.hi(a) && k0 >= mask.lo(min(a + QB, p.Tq) - 1);
         return qt;
     };
     const T *kh = reinterpret_cast<const T *>(p.k) + (int64_t)g_kv * p.k_sh;
@@ -189,12 +202,12 @@ __global__ void __launch_bounds__(kThreads, 2) bwd_dkdv_kernel(const ncp_sink_at
                                    b.do_st, a, p.Tq, tid);
         if (tid < QB) {
             const int i = a + tid;
-            int qpos, qlo;
-            row_bounds(p, i, qpos, qlo);
-            s_qpos[stage * QB + tid] = qpos;
-            s_qlo[stage * QB + tid] = qlo;
+            int lo, hi;
+            row_bounds(mask, i, lo, hi);
+            s_qpos[stage * QB + tid] = hi;
+            s_qlo[stage * QB + tid] = lo;
             s_lse[stage * QB + tid] = i < p.Tq ? p.lse[(int64_t)h * p.Tq + i] * kLog2e : 0.f;
-            s_dl[stage * QB + tid] = i < p.Tq ? b.delta[(int64_t)h * p.Tq + i] : 0.f;
+            s_dl[stage * QB + tid] = i < p.Tq ? ws.delta[(int64_t)h * p.Tq + i] : 0.f;
         }
     };
 
@@ -207,7 +220,7 @@ __global__ void __launch_bounds__(kThreads, 2) bwd_dkdv_kernel(const ncp_sink_at
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int j = k0 + warp * 16 + gq + 8 * r;
-        kpos[r] = j >= p.Tk ? kNoKey : (positions ? __ldg(p.k_pos + j) : j);
+        kpos[r] = j >= p.Tk ? kNoKey : j;
     }
     const float scale_log2 = (float)p.scale * kLog2e;
     float dk[D / 8][4], dv[D / 8][4];
@@ -231,20 +244,7 @@ __global__ void __launch_bounds__(kThreads, 2) bwd_dkdv_kernel(const ncp_sink_at
 
         /* S^T = K Q^T: 16 keys x 64 queries per warp */
         float pt[QB / 8][4];
-#pragma unroll
-        for (int i = 0; i < QB / 8; ++i) pt[i][0] = pt[i][1] = pt[i][2] = pt[i][3] = 0.f;
-#pragma unroll
-        for (int ks = 0; ks < D / 16; ++ks) {
-            uint32_t a[4];
-            load_a<D>(a, sK, warp * 16, 2 * ks, lane);
-#pragma unroll
-            for (int np = 0; np < QB / 16; ++np) {
-                uint32_t bb[4];
-                load_b_nk<D>(bb, sQ, np * 16, 2 * ks, lane);
-                mma16816<T>(pt[2 * np], a, bb);
-                mma16816<T>(pt[2 * np + 1], a, bb + 2);
-            }
-        }
+        mma_abt<T, D, QB>(pt, sK, warp * 16, sQ, lane);
         /* P^T = exp2(x - lse), masked */
 #pragma unroll
         for (int nt = 0; nt < QB / 8; ++nt)
@@ -255,58 +255,15 @@ __global__ void __launch_bounds__(kThreads, 2) bwd_dkdv_kernel(const ncp_sink_at
                 if (!full && (kpos[r] < qlo[col] || kpos[r] > qpos[col])) x = -INFINITY;
                 pt[nt][e] = ex2(x);
             }
-        /* dV += P^T dO */
-#pragma unroll
-        for (int kk = 0; kk < QB / 16; ++kk) {
-            uint32_t a[4];
-            a[0] = elem<T>::pack(pt[2 * kk][0], pt[2 * kk][1]);
-            a[1] = elem<T>::pack(pt[2 * kk][2], pt[2 * kk][3]);
-            a[2] = elem<T>::pack(pt[2 * kk + 1][0], pt[2 * kk + 1][1]);
-            a[3] = elem<T>::pack(pt[2 * kk + 1][2], pt[2 * kk + 1][3]);
-#pragma unroll
-            for (int dp = 0; dp < D / 16; ++dp) {
-                uint32_t bb[4];
-                load_b_kn<D>(bb, sO, kk * 16, 2 * dp, lane);
-                mma16816<T>(dv[2 * dp], a, bb);
-                mma16816<T>(dv[2 * dp + 1], a, bb + 2);
-            }
-        }
+        mma_pb<T, D, QB>(dv, pt, sO, lane); /* dV += P^T dO */
         /* dP^T = V dO^T, then dS^T = P^T (dP^T - delta) */
         float ds[QB / 8][4];
-#pragma unroll
-        for (int i = 0; i < QB / 8; ++i) ds[i][0] = ds[i][1] = ds[i][2] = ds[i][3] = 0.f;
-#pragma unroll
-        for (int ks = 0; ks < D / 16; ++ks) {
-            uint32_t a[4];
-            load_a<D>(a, sV, warp * 16, 2 * ks, lane);
-#pragma unroll
-            for (int np = 0; np < QB / 16; ++np) {
-                uint32_t bb[4];
-                load_b_nk<D>(bb, sO, np * 16, 2 * ks, lane);
-                mma16816<T>(ds[2 * np], a, bb);
-                mma16816<T>(ds[2 * np + 1], a, bb + 2);
-            }
-        }
+        mma_abt<T, D, QB>(ds, sV, warp * 16, sO, lane);
 #pragma unroll
         for (int nt = 0; nt < QB / 8; ++nt)
 #pragma unroll
             for (int e = 0; e < 4; ++e) ds[nt][e] = pt[nt][e] * (ds[nt][e] - dl[nt * 8 + 2 * tq + (e & 1)]);
-        /* dK += dS^T Q */
-#pragma unroll
-        for (int kk = 0; kk < QB / 16; ++kk) {
-            uint32_t a[4];
-            a[0] = elem<T>::pack(ds[2 * kk][0], ds[2 * kk][1]);
-            a[1] = elem<T>::pack(ds[2 * kk][2], ds[2 * kk][3]);
-            a[2] = elem<T>::pack(ds[2 * kk + 1][0], ds[2 * kk + 1][1]);
-            a[3] = elem<T>::pack(ds[2 * kk + 1][2], ds[2 * kk + 1][3]);
-#pragma unroll
-            for (int dp = 0; dp < D / 16; ++dp) {
-                uint32_t bb[4];
-                load_b_kn<D>(bb, sQ, kk * 16, 2 * dp, lane);
-                mma16816<T>(dk[2 * dp], a, bb);
-                mma16816<T>(dk[2 * dp + 1], a, bb + 2);
-            }
-        }
+        mma_pb<T, D, QB>(dk, ds, sQ, lane); /* dK += dS^T Q */
         __syncthreads();
     }
     cp_async_wait<0>();
@@ -319,50 +276,26 @@ __global__ void __launch_bounds__(kThreads, 2) bwd_dkdv_kernel(const ncp_sink_at
 /* dQ                                                                                        */
 /* ======================================================================================== */
 
-template <int D> constexpr int dq_smem_bytes() { return (2 * QB * D + 4 * KB * D) * 2 + 2 * KB * 4; }
+template <int D> constexpr int dq_smem_bytes() { return (2 * QB * D + 4 * KB * D) * 2; }
 
-template <typename T, int D>
-__global__ void __launch_bounds__(kThreads, 2) bwd_dq_kernel(const ncp_sink_attn_bwd_params b) {
+template <typename T, int D, class Mask>
+__global__ void __launch_bounds__(kThreads, 2) bwd_dq_kernel(const ncp_sink_attn_bwd_params b, const bwd_workspace ws) {
     extern __shared__ __align__(128) unsigned char smem[];
     const ncp_sink_attn_params &p = b.f;
     const uint32_t sQ = smem_u32(smem), sO = sQ + QB * D * 2, sK0 = sO + QB * D * 2, sV0 = sK0 + 2 * KB * D * 2;
-    int *s_kpos = reinterpret_cast<int *>(smem + (2 * QB * D + 4 * KB * D) * 2);
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, gq = lane >> 2, tq = lane & 3;
     const int h = blockIdx.x, g_kv = h / (p.Hq / p.Hkv);
-    const int tile = gridDim.y - 1 - blockIdx.y, q0 = tile * QB;
-    const bool positions = p.q_pos != nullptr;
-
-    int n_it, e0 = 0;
-    q_tile_range rng{};
-    if (positions) {
-        e0 = __ldg(b.dq_off + tile);
-        n_it = __ldg(b.dq_off + tile + 1) - e0;
-    } else {
-        rng = contiguous_q_range(p, q0, QB, KB);
-        n_it = max(0, rng.kt_hi - rng.kt_lo + 1);
-    }
-    auto tile_at = [&](int it, bool &full) -> int {
-        if (positions) {
-            const int e = __ldg(b.dq_ent + e0 + it);
-            full = e & 1;
-            return e >> 1;
-        }
-        const int kt = rng.kt_hi - it;
-        full = contiguous_full(p, rng, kt, KB);
-        return kt;
-    };
+    const int q0 = (gridDim.y - 1 - blockIdx.y) * QB;
+    const Mask mask(p);
+    const q_tile_range rng = q_range(mask, q0, QB, KB);
+    const int n_it = max(0, rng.kt_hi - rng.kt_lo + 1); /* kv tile of step it: kt_hi - it */
     const T *kh = reinterpret_cast<const T *>(p.k) + (int64_t)g_kv * p.k_sh;
     const T *vh = reinterpret_cast<const T *>(p.v) + (int64_t)g_kv * p.v_sh;
     auto load_kv = [&](int it, int stage) {
-        bool full;
-        const int kt = tile_at(it, full);
+        const int kt = rng.kt_hi - it;
         load_tile<D, KB, kThreads>(sK0 + stage * KB * D * 2, kh, p.k_st, kt * KB, p.Tk, tid);
         load_tile<D, KB, kThreads>(sV0 + stage * KB * D * 2, vh, p.v_st, kt * KB, p.Tk, tid);
-        if (tid < KB) {
-            const int j = kt * KB + tid;
-            s_kpos[stage * KB + tid] = j >= p.Tk ? kNoKey : (positions ? __ldg(p.k_pos + j) : j);
-        }
     };
 
     load_tile<D, QB, kThreads>(sQ, reinterpret_cast<const T *>(p.q) + (int64_t)h * p.q_sh, p.q_st, q0, p.Tq, tid);
@@ -370,14 +303,14 @@ __global__ void __launch_bounds__(kThreads, 2) bwd_dq_kernel(const ncp_sink_attn
     if (n_it > 0) load_kv(0, 0);
     cp_async_commit();
 
-    int qpos[2], qlo[2];
+    int lo[2], hi[2];
     float lse[2], dl[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int i = q0 + warp * 16 + gq + 8 * r;
-        row_bounds(p, i, qpos[r], qlo[r]);
+        row_bounds(mask, i, lo[r], hi[r]);
         lse[r] = i < p.Tq ? p.lse[(int64_t)h * p.Tq + i] * kLog2e : 0.f;
-        dl[r] = i < p.Tq ? b.delta[(int64_t)h * p.Tq + i] : 0.f;
+        dl[r] = i < p.Tq ? ws.delta[(int64_t)h * p.Tq + i] : 0.f;
     }
     const float scale_log2 = (float)p.scale * kLog2e;
     float dq[D / 8][4];
@@ -390,10 +323,9 @@ __global__ void __launch_bounds__(kThreads, 2) bwd_dq_kernel(const ncp_sink_attn
         cp_async_commit();
         cp_async_wait<1>();
         __syncthreads();
-        bool full;
-        (void)tile_at(it, full);
+        const int k0 = (rng.kt_hi - it) * KB;
+        const bool full = full_cols(rng, k0, KB, p.Tk);
         const uint32_t sK = sK0 + stage * KB * D * 2, sV = sV0 + stage * KB * D * 2;
-        const int *kp = s_kpos + stage * KB;
 
         float s[KB / 8][4], dp[KB / 8][4];
 #pragma unroll
@@ -424,8 +356,8 @@ __global__ void __launch_bounds__(kThreads, 2) bwd_dq_kernel(const ncp_sink_attn
                 const int r = e >> 1;
                 float x = s[nt][e] * scale_log2 - lse[r];
                 if (!full) {
-                    const int k = kp[nt * 8 + 2 * tq + (e & 1)];
-                    if (k < qlo[r] || k > qpos[r]) x = -INFINITY;
+                    const int k = k0 + nt * 8 + 2 * tq + (e & 1);
+                    if (k < lo[r] || k > hi[r]) x = -INFINITY;
                 }
                 s[nt][e] = ex2(x) * (dp[nt][e] - dl[r]);
             }
@@ -453,59 +385,56 @@ __global__ void __launch_bounds__(kThreads, 2) bwd_dq_kernel(const ncp_sink_attn
 }
 
 /* ======================================================================================== */
-/* launcher                                                                                  */
+/* launchers                                                                                 */
 /* ======================================================================================== */
 
-template <typename T, int D> ncp_status launch(const ncp_sink_attn_bwd_params &b, cudaStream_t s) {
+template <typename T, int D> ncp_status launch_prepass(const ncp_sink_attn_bwd_params &b, const bwd_workspace &ws,
+                                                       cudaStream_t s) {
     const ncp_sink_attn_params &p = b.f;
-    const int n_part = ncp_sink_attn_bwd_n_part(p.Tq);
-    bwd_pre_kernel<T, D><<<dim3(n_part, p.Hq), kPreThreads, 0, s>>>(b);
+    bwd_pre_kernel<T, D><<<dim3(ws.n_part, p.Hq), kPreThreads, 0, s>>>(b, ws);
     NCP_CUDA_CHECK(cudaGetLastError());
     if (p.sink != nullptr) {
-        dsink_reduce_kernel<<<(p.Hq + 127) / 128, 128, 0, s>>>(b, n_part);
+        dsink_reduce_kernel<<<(p.Hq + 127) / 128, 128, 0, s>>>(b, ws);
         NCP_CUDA_CHECK(cudaGetLastError());
     }
-    if (p.q_pos == nullptr && ncp_sink_attn_bwd_variant() == 4) return ncp_sink_attn_bwd_sm90(&b, s);
+    return NCP_OK;
+}
+
+template <typename T, int D, class Mask>
+ncp_status launch(const ncp_sink_attn_bwd_params &b, const bwd_workspace &ws, cudaStream_t s) {
+    const ncp_sink_attn_params &p = b.f;
+    NCP_ARG_CHECK((p.Tq + QB - 1) / QB <= 65535 && (p.Tk + KB - 1) / KB <= 65535,
+                  "too many tiles for one launch (Tq=%d, Tk=%d)", p.Tq, p.Tk);
     constexpr int kv_bytes = dkdv_smem_bytes<D>(), q_bytes = dq_smem_bytes<D>();
-    auto kv_kernel = bwd_dkdv_kernel<T, D>;
-    auto q_kernel = bwd_dq_kernel<T, D>;
+    auto kv_kernel = bwd_dkdv_kernel<T, D, Mask>;
+    auto q_kernel = bwd_dq_kernel<T, D, Mask>;
     NCP_CUDA_CHECK(cudaFuncSetAttribute(kv_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kv_bytes));
     NCP_CUDA_CHECK(cudaFuncSetAttribute(q_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, q_bytes));
     if (p.Tk > 0) {
-        kv_kernel<<<dim3(p.Hkv, (p.Tk + KB - 1) / KB), kThreads, kv_bytes, s>>>(b);
+        kv_kernel<<<dim3(p.Hkv, (p.Tk + KB - 1) / KB), kThreads, kv_bytes, s>>>(b, ws);
         NCP_CUDA_CHECK(cudaGetLastError());
     }
     if (p.Tq > 0) {
-        q_kernel<<<dim3(p.Hq, (p.Tq + QB - 1) / QB), kThreads, q_bytes, s>>>(b);
+        q_kernel<<<dim3(p.Hq, (p.Tq + QB - 1) / QB), kThreads, q_bytes, s>>>(b, ws);
         NCP_CUDA_CHECK(cudaGetLastError());
     }
     return NCP_OK;
 }
 
 }  // namespace
+
+ncp_status attn_bwd_prepass(const ncp_sink_attn_bwd_params &b, const bwd_workspace &ws, cudaStream_t s) {
+    const bool bf16 = b.f.dtype == NCP_DT_BF16;
+    if (b.f.D == 64) return bf16 ? launch_prepass<__nv_bfloat16, 64>(b, ws, s) : launch_prepass<__half, 64>(b, ws, s);
+    return bf16 ? launch_prepass<__nv_bfloat16, 128>(b, ws, s) : launch_prepass<__half, 128>(b, ws, s);
+}
+
+ncp_status attn_bwd_portable(const ncp_sink_attn_bwd_params &b, const bwd_workspace &ws, cudaStream_t s) {
+    const bool bf16 = b.f.dtype == NCP_DT_BF16, table = b.f.mask.kind == NCP_MASK_TABLE;
+#define NCP_BWD(T, D) (table ? launch<T, D, TableMask>(b, ws, s) : launch<T, D, DocsMask>(b, ws, s))
+    if (b.f.D == 64) return bf16 ? NCP_BWD(__nv_bfloat16, 64) : NCP_BWD(__half, 64);
+    return bf16 ? NCP_BWD(__nv_bfloat16, 128) : NCP_BWD(__half, 128);
+#undef NCP_BWD
+}
+
 }  // namespace ncp
-
-extern "C" int ncp_sink_attn_bwd_variant(void) {
-    const char *e = getenv("NCP_BWD_VARIANT"); /* per call: tests switch kernels in one process */
-    if (e != nullptr && e[0] == '1' && e[1] == 0) return 1;
-    return ncp_sm90_usable() ? 4 : 1;
-}
-
-extern "C" ncp_status ncp_sink_attn_bwd_cuda(const ncp_sink_attn_bwd_params *b, void *stream) {
-    NCP_TRY(ncp_sink_attn_bwd_check(b, 1));
-    NCP_TRY(ncp_sink_attn_check_vector_access(&b->f));
-    const uintptr_t ptrs[4] = {(uintptr_t)b->dout, (uintptr_t)b->dq, (uintptr_t)b->dk, (uintptr_t)b->dv};
-    const int64_t strides[8] = {b->do_st, b->do_sh, b->dq_st, b->dq_sh, b->dk_st, b->dk_sh, b->dv_st, b->dv_sh};
-    for (int i = 0; i < 4; ++i)
-        NCP_ARG_CHECK(ptrs[i] % 16 == 0, "dout, dq, dk and dv must be 16-byte aligned on CUDA (use .contiguous())");
-    NCP_ARG_CHECK((uintptr_t)b->dq_accum % 16 == 0, "dq_accum must be 16-byte aligned on CUDA");
-    for (int i = 0; i < 8; ++i)
-        NCP_ARG_CHECK(strides[i] % 8 == 0, "token and head strides of dout, dq, dk and dv must be multiples of 8 elements");
-    NCP_ARG_CHECK((b->f.Tq + NCP_BWD_BM - 1) / NCP_BWD_BM <= 65535 && (b->f.Tk + NCP_BWD_BN - 1) / NCP_BWD_BN <= 65535,
-                  "too many tiles for one launch (Tq=%d, Tk=%d)", b->f.Tq, b->f.Tk);
-    if (b->f.Tq == 0 && b->f.Tk == 0) return NCP_OK;
-    cudaStream_t s = (cudaStream_t)stream;
-    const bool bf16 = b->f.dtype == NCP_DT_BF16;
-    if (b->f.D == 64) return bf16 ? ncp::launch<__nv_bfloat16, 64>(*b, s) : ncp::launch<__half, 64>(*b, s);
-    return bf16 ? ncp::launch<__nv_bfloat16, 128>(*b, s) : ncp::launch<__half, 128>(*b, s);
-}

@@ -1,7 +1,7 @@
 /*
- * sm90_common.cuh: Hopper (sm_90a) building blocks of the sink-attention kernels: mbarriers, TMA
- * tensor copies, wgmma shared-memory descriptors and fences, register reallocation, and the host
- * side that encodes a THD tensor as a TMA tensor map.
+ * sm90/arch.cuh: Hopper (sm_90a) primitives: mbarriers, TMA tensor copies and bulk stores and
+ * reductions, wgmma shared-memory descriptors and fences, register reallocation, named barriers,
+ * and the host side that encodes a THD tensor as a TMA tensor map (tma_host.cu).
  *
  * Shared tiles use the 128-byte swizzle that TMA writes and wgmma reads: a tile of R rows x D
  * 16-bit columns is stored as D/64 column blocks of R x 128 bytes; inside a block, 16-byte chunk c
@@ -15,8 +15,8 @@
  *   MN-major (rows = K, 64 M/N-elements per 128-byte row): SBO = 1024 (next 8 K-rows), LBO = bytes
  *     between 64-wide M/N column blocks; step K by 16 rows with start + 16 * 128 bytes.
  */
-#ifndef NCP_SM90_COMMON_CUH
-#define NCP_SM90_COMMON_CUH
+#ifndef NCP_SM90_ARCH_CUH
+#define NCP_SM90_ARCH_CUH
 
 #include <cuda.h>
 #include <cuda_runtime.h>
@@ -157,16 +157,6 @@ __device__ __forceinline__ void named_sync(int id, int threads) {
 __device__ __forceinline__ void named_arrive(int id, int threads) {
     asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
-/* Named barrier with an AND reduction: true for every caller when `pred` holds for all of them. */
-__device__ __forceinline__ bool named_and(int id, int threads, bool pred) {
-    uint32_t r;
-    asm volatile("{\n.reg .pred p, q;\nsetp.ne.u32 p, %1, 0;\nbar.red.and.pred q, %2, %3, p;\nselp.u32 %0, 1, 0, q;\n}\n"
-                 : "=r"(r)
-                 : "r"((uint32_t)pred), "r"(id), "r"(threads)
-                 : "memory");
-    return r != 0;
-}
-
 __device__ __forceinline__ uint64_t desc_kmajor(uint32_t addr) {
     return (uint64_t)((addr & 0x3FFFFu) >> 4) | ((uint64_t)1 << 16) | ((uint64_t)(1024 >> 4) << 32) | ((uint64_t)1 << 62);
 }
@@ -184,16 +174,12 @@ __host__ __device__ __forceinline__ uint32_t sw128_offset(int rows, int row, int
 }  // namespace sm90
 }  // namespace ncp
 
-/* ---- host: tensor maps ---------------------------------------------------------------------- */
+/* ---- host: tensor maps (tma_host.cu) --------------------------------------------------------- */
 /* Encodes the (T, H, D) 16-bit tensor at `base` (element strides st per token, sh per head) as a
  * 3-D TMA map with boxes of 64 columns x 1 head x box_rows tokens and 128-byte swizzle. */
 ncp_status ncp_sm90_tensor_map(CUtensorMap *map, const void *base, int T, int H, int D, int64_t st, int64_t sh,
                                int box_rows);
 /* 1 when this build holds sm_90a kernels and the current device is compute capability 9.0. */
 int ncp_sm90_usable(void);
-/* Hopper forward (sink_attn_fwd_sm90.cu); p already validated, ncp_sm90_usable() true. */
-extern "C" ncp_status ncp_sink_attn_fwd_sm90(const ncp_sink_attn_params *p, void *stream);
-/* Hopper dK/dV and dQ kernels (sink_attn_bwd_sm90.cu), contiguous mode, after the pre-pass. */
-extern "C" ncp_status ncp_sink_attn_bwd_sm90(const ncp_sink_attn_bwd_params *b, void *stream);
 
-#endif /* NCP_SM90_COMMON_CUH */
+#endif /* NCP_SM90_ARCH_CUH */

@@ -1,8 +1,8 @@
 /*
- * sink_attn_common.cuh: building blocks of the sink-attention kernels (portable tensor-core path,
- * sm_80+): mma.sync m16n8k16 with fp32 accumulation, ldmatrix from XOR-swizzled shared tiles,
- * cp.async global->shared copies with zero fill, exp2 and the mask / tile-range helpers shared by
- * the forward and backward kernels.
+ * sink_attn/common.cuh: building blocks shared by the sink-attention kernels: element types,
+ * mma.sync m16n8k16 with fp32 accumulation and the C -> A fragment packer (also the wgmma register
+ * layouts), ldmatrix from XOR-swizzled shared tiles, cp.async global->shared copies with zero fill,
+ * exp2 and quad reductions. The mask policies are in mask.cuh.
  *
  * Fragment conventions (PTX ISA, mma.m16n8k16, g = lane / 4, t = lane % 4):
  *   A (16x16, row):  a0 (g, 2t..2t+1)  a1 (g+8, 2t..)  a2 (g, 8+2t..)  a3 (g+8, 8+2t..)
@@ -27,7 +27,7 @@ namespace ncp {
 
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
-constexpr int kNoKey = 0x7fffffff; /* q_lo of a row that sees nothing, k_pos of a missing key */
+constexpr int kNoKey = 0x7fffffff; /* lower bound of a row that sees nothing */
 
 /* ---- element types ---------------------------------------------------------------------- */
 template <typename T> struct elem;
@@ -146,77 +146,6 @@ __device__ __forceinline__ float quad_max(float v) {
 __device__ __forceinline__ float quad_sum(float v) {
     v += __shfl_xor_sync(0xffffffffu, v, 1);
     return v + __shfl_xor_sync(0xffffffffu, v, 2);
-}
-
-/* ---- masks ------------------------------------------------------------------------------- */
-/* Start of the document holding token i: the largest cu[d] <= i (cu non-decreasing, cu[0] = 0). */
-__device__ __forceinline__ int doc_start(const int32_t *cu, int n_cu, int i) {
-    int lo = 0, hi = n_cu - 1; /* answer in [0, n_cu - 1) */
-    while (hi - lo > 1) {
-        const int mid = (lo + hi) >> 1;
-        if (__ldg(cu + mid) <= i) lo = mid;
-        else hi = mid;
-    }
-    int s = __ldg(cu + lo);
-    return s < 0 ? 0 : (s > i ? i : s); /* clamped: a malformed cu_seqlens cannot index outside */
-}
-/* End (exclusive) of the document holding token i, clamped to [i + 1, n]. */
-__device__ __forceinline__ int doc_end(const int32_t *cu, int n_cu, int i, int n) {
-    int lo = 0, hi = n_cu - 1;
-    while (hi - lo > 1) {
-        const int mid = (lo + hi) >> 1;
-        if (__ldg(cu + mid) <= i) lo = mid;
-        else hi = mid;
-    }
-    int e = __ldg(cu + lo + 1);
-    return e > n ? n : (e <= i ? i + 1 : e);
-}
-/* First visible key of query i in contiguous mode. */
-__device__ __forceinline__ int first_key(const int32_t *cu, int n_cu, int window, int i) {
-    int lo = doc_start(cu, n_cu, i);
-    if (window > 0 && i - window + 1 > lo) lo = i - window + 1;
-    return lo;
-}
-
-/* Query bounds (q_pos, q_lo) of row i in either mode; rows past Tq see nothing. */
-__device__ __forceinline__ void row_bounds(const ncp_sink_attn_params &p, int i, int &qpos, int &qlo) {
-    if (i >= p.Tq) {
-        qpos = -1;
-        qlo = kNoKey;
-    } else if (p.q_pos == nullptr) {
-        qpos = i;
-        qlo = first_key(p.cu_seqlens, p.n_cu, p.window, i);
-    } else {
-        qpos = __ldg(p.q_pos + i);
-        qlo = __ldg(p.q_lo + i);
-    }
-}
-
-/* Contiguous-mode tile range of the q rows [q0, q0 + bm): kv tiles [kt_lo, kt_hi] of bn keys, and
- * the bounds that decide whether a tile is fully visible. */
-struct q_tile_range {
-    int kt_lo, kt_hi; /* inclusive; kt_hi < kt_lo: no work */
-    int q_first, lo_last, rows_complete;
-};
-__device__ __forceinline__ q_tile_range contiguous_q_range(const ncp_sink_attn_params &p, int q0, int bm, int bn) {
-    q_tile_range r;
-    const int q_last = min(q0 + bm, p.Tq) - 1;
-    r.q_first = q0;
-    r.rows_complete = q0 + bm <= p.Tq;
-    const int lo_first = first_key(p.cu_seqlens, p.n_cu, p.window, q0);
-    r.lo_last = first_key(p.cu_seqlens, p.n_cu, p.window, q_last);
-    r.kt_lo = lo_first / bn;
-    r.kt_hi = min(q_last, p.Tk - 1) / bn;
-    return r;
-}
-/* Every (q, k) of the keys [k0, k0 + n) visible to every row of the q tile? */
-__device__ __forceinline__ bool contiguous_full_cols(const ncp_sink_attn_params &p, const q_tile_range &r, int k0, int n) {
-    const int k1 = k0 + n;
-    return r.rows_complete && k1 <= p.Tk && k1 - 1 <= r.q_first && k0 >= r.lo_last;
-}
-/* ... of kv tile kt of bn keys? */
-__device__ __forceinline__ bool contiguous_full(const ncp_sink_attn_params &p, const q_tile_range &r, int kt, int bn) {
-    return contiguous_full_cols(p, r, kt * bn, bn);
 }
 
 }  // namespace ncp

@@ -1,0 +1,134 @@
+/*
+ * sink_attn/dispatch.cu: the one dispatcher of the sink-attention kernels. It alone maps (device
+ * capability, mask policy, head dim, dtype, deterministic, test hooks) to kernels, and it alone
+ * answers how large the backward workspace is and how it is carved; the kernel files hold kernels
+ * and launchers only.
+ *
+ *   forward   Hopper (sm90_fwd.cu) on compute capability 9.0 with an sm_90a build, else the
+ *             portable mma.sync kernel (portable_fwd.cu)
+ *   backward  pre-pass (Delta, dsink) always; then on Hopper the dK/dV kernel with dQ added
+ *             atomically into an fp32 workspace (default) or the deterministic dK/dV + dQ pair;
+ *             elsewhere the portable (deterministic) kernels
+ * The test hooks (ncp_attn_debug: portable kernels, persistent grid size, whole tiles) are one
+ * struct set from Python and read once per call; no environment variable is read here.
+ * Test: pytest tests/test_sink_attention_cuda.py
+ */
+#include <atomic>
+
+#include "../sm90/arch.cuh"
+#include "attn_args.h"
+#include "launch.h"
+
+namespace ncp {
+namespace {
+
+std::atomic<int> g_portable{0}, g_grid{0}, g_whole_tiles{0};
+
+int sm_count(int dev) {
+    static int cached[kMaxDevices];
+    if (dev < kMaxDevices && cached[dev] > 0) return cached[dev];
+    int n = 0;
+    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) return 0;
+    if (dev < kMaxDevices) cached[dev] = n;
+    return n;
+}
+
+/* The decisions of one call on the current device. */
+struct choice {
+    attn_config cfg;
+    bool sm90;      /* Hopper kernels */
+    bool atomic_dq; /* backward: dQ by atomic reductions (Hopper, not deterministic) */
+};
+
+ncp_status choose(int deterministic, choice *c) {
+    int dev = 0;
+    NCP_CUDA_CHECK(cudaGetDevice(&dev));
+    const ncp_attn_debug d = ncp_attn_debug_get();
+    c->cfg.device = dev;
+    c->cfg.sm_count = sm_count(dev);
+    c->cfg.grid = d.grid;
+    c->cfg.whole_tiles = d.whole_tiles;
+    c->sm90 = !d.portable && ncp_sm90_usable();
+    c->atomic_dq = c->sm90 && !deterministic;
+    return NCP_OK;
+}
+
+/* Byte offsets of the backward workspace's parts (each 256-byte aligned) and its total. */
+struct ws_layout {
+    int64_t delta, part, acc, total;
+    int32_t n_part;
+};
+ws_layout layout_of(int32_t Tq, int32_t Hq, int32_t D, bool has_sink, bool atomic_dq) {
+    auto up = [](int64_t x) { return (x + 255) / 256 * 256; };
+    ws_layout w;
+    w.n_part = Tq <= 0 ? 1 : (Tq + kPreRows - 1) / kPreRows;
+    w.delta = 0;
+    w.part = up((int64_t)Hq * Tq * 4);
+    w.acc = w.part + (has_sink ? up((int64_t)Hq * w.n_part * 4) : 0);
+    w.total = w.acc + (atomic_dq ? (int64_t)Hq * ((Tq + 63) / 64) * 64 * D * 4 : 0);
+    return w;
+}
+
+}  // namespace
+}  // namespace ncp
+
+extern "C" void ncp_attn_debug_set(const ncp_attn_debug *d) {
+    ncp::g_portable = d->portable;
+    ncp::g_grid = d->grid;
+    ncp::g_whole_tiles = d->whole_tiles;
+}
+
+extern "C" ncp_attn_debug ncp_attn_debug_get(void) {
+    ncp_attn_debug d;
+    d.portable = ncp::g_portable;
+    d.grid = ncp::g_grid;
+    d.whole_tiles = ncp::g_whole_tiles;
+    return d;
+}
+
+extern "C" void ncp_sink_attn_kernels(int32_t deterministic, const char **fwd, const char **bwd) {
+    ncp::choice c;
+    if (ncp::choose(deterministic, &c) != NCP_OK) {
+        *fwd = *bwd = "none";
+        return;
+    }
+    *fwd = c.sm90 ? "sm90" : "portable";
+    *bwd = c.sm90 ? (c.atomic_dq ? "sm90-atomic-dq" : "sm90-deterministic") : "portable";
+}
+
+extern "C" int64_t ncp_sink_attn_bwd_workspace(int32_t Tq, int32_t Hq, int32_t D, int32_t has_sink,
+                                               int32_t deterministic) {
+    ncp::choice c;
+    if (ncp::choose(deterministic, &c) != NCP_OK) return 0;
+    return ncp::layout_of(Tq, Hq, D, has_sink != 0, c.atomic_dq).total;
+}
+
+extern "C" ncp_status ncp_sink_attn_fwd_cuda(const ncp_sink_attn_params *p, void *stream) {
+    NCP_TRY(ncp_sink_attn_validate(p, 1));
+    if (p->Tq == 0) return NCP_OK;
+    ncp::choice c;
+    NCP_TRY(ncp::choose(0, &c));
+    cudaStream_t s = (cudaStream_t)stream;
+    return c.sm90 ? ncp::attn_fwd_sm90(*p, c.cfg, s) : ncp::attn_fwd_portable(*p, s);
+}
+
+extern "C" ncp_status ncp_sink_attn_bwd_cuda(const ncp_sink_attn_bwd_params *b, void *stream) {
+    NCP_TRY(ncp_sink_attn_bwd_validate(b, 1));
+    const ncp_sink_attn_params &p = b->f;
+    if (p.Tq == 0 && p.Tk == 0) return NCP_OK;
+    ncp::choice c;
+    NCP_TRY(ncp::choose(b->deterministic, &c));
+    const ncp::ws_layout w = ncp::layout_of(p.Tq, p.Hq, p.D, p.sink != nullptr, c.atomic_dq);
+    NCP_ARG_CHECK(b->workspace != nullptr && b->workspace_bytes >= w.total,
+                  "workspace must hold %lld bytes for this backward (ncp_sink_attn_bwd_workspace); got %lld",
+                  (long long)w.total, (long long)b->workspace_bytes);
+    char *base = static_cast<char *>(b->workspace);
+    ncp::bwd_workspace ws;
+    ws.delta = reinterpret_cast<float *>(base + w.delta);
+    ws.dsink_part = p.sink != nullptr ? reinterpret_cast<float *>(base + w.part) : nullptr;
+    ws.n_part = w.n_part;
+    ws.dq_accum = c.atomic_dq && p.Tq > 0 ? reinterpret_cast<float *>(base + w.acc) : nullptr;
+    cudaStream_t s = (cudaStream_t)stream;
+    NCP_TRY(ncp::attn_bwd_prepass(*b, ws, s));
+    return c.sm90 ? ncp::attn_bwd_sm90(*b, ws, c.cfg, s) : ncp::attn_bwd_portable(*b, ws, s);
+}

@@ -1,0 +1,242 @@
+/*
+ * sink_attn/sm90_bwd_dkdv.cuh: a consumer warpgroup of the Hopper dK/dV kernel (sm90_bwd.cu).
+ *
+ * CTA = 128 keys of one kv head (64 per consumer warpgroup), K and V stationary in shared memory;
+ * it walks the (query head, q tile of 64 rows) items that see a key of the CTA. Per item and
+ * warpgroup: S^T = K Q^T and dP^T = V dO^T (A and B from shared memory), P^T and dS^T in registers
+ * (the mask is a separate pass on partial items: folded into the exponentials it cost enough
+ * registers for ptxas to serialize every wgmma), then dV += P^T dO (A from registers) and
+ * dK += dS^T Q. Two modes:
+ *   ADQ (default, not deterministic): dS^T also goes to shared memory; dK += dS^T Q and dQ = dS K
+ *     read it from there, and each warpgroup adds its 64 x 64 dQ tile into the fp32 workspace with
+ *     one bulk asynchronous reduction (5 MMAs per item; the order of the additions, so the last
+ *     bits of dq, vary from run to run).
+ *   deterministic: no atomics; dQ comes from the dQ kernel (7 MMAs per item in all).
+ */
+#ifndef NCP_SINK_ATTN_SM90_BWD_DKDV_CUH
+#define NCP_SINK_ATTN_SM90_BWD_DKDV_CUH
+
+#include "sm90_bwd_parts.cuh"
+
+namespace ncp {
+namespace bwd90 {
+
+#ifdef NCP_SM90_DEVICE
+template <typename T, int D, bool ADQ, class Mask> struct DkdvConsumer {
+    using L = Layout<D, KVB, KQB, ADQ>;
+    const ncp_sink_attn_params &p;
+    const Mask &mask;
+    const KvItems &w;
+    const Bars bar;
+    const uint32_t base;
+    const float *s_l2, *s_dl;
+    const int cw, warp, lane, tq, krow0; /* this thread's key rows krow0, krow0 + 8 of the CTA */
+    const float scale_log2;
+    const KeyVis<Mask> vis;
+    float dk[D / 2], dv[D / 2];
+
+    __device__ __forceinline__ DkdvConsumer(const ncp_sink_attn_params &p_, const Mask &m, const KvItems &w_, Bars bar_,
+                                            uint32_t base_, const float *l2, const float *dl, int cw_)
+        : p(p_), mask(m), w(w_), bar(bar_), base(base_), s_l2(l2), s_dl(dl), cw(cw_), warp((threadIdx.x & 127) >> 5),
+          lane(threadIdx.x & 31), tq(lane & 3), krow0(64 * cw_ + 16 * warp + (lane >> 2)),
+          scale_log2((float)p_.scale * kLog2e), vis(m, w_.k0 + krow0) {
+#pragma unroll
+        for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.f;
+    }
+    __device__ __forceinline__ uint32_t sK() const { return base; }
+    __device__ __forceinline__ uint32_t sV() const { return base + L::s1_off; }
+    __device__ __forceinline__ uint32_t sQ(int s) const { return base + L::a_off + s * L::tile_bytes; }
+    __device__ __forceinline__ uint32_t sO(int s) const { return base + L::b_off + s * L::tile_bytes; }
+
+    /* S^T = K Q^T and dP^T = V dO^T of item it, issued asynchronously. */
+    __device__ __forceinline__ void issue_sdp(float *st, float *dpt, int it) const {
+        const int s = Ring::slot(it);
+        const uint32_t ph = Ring::full_phase(it);
+        sm90::mbar_wait(bar.a(s), ph);
+        sm90::gemm_ss<T, KQB, D>(st, sK() + cw * 64 * 128, KVB * 128, sQ(s), KQB * 128);
+        sm90::mbar_wait(bar.b(s), ph);
+        sm90::gemm_ss<T, KQB, D>(dpt, sV() + cw * 64 * 128, KVB * 128, sO(s), KQB * 128);
+    }
+    /* Whether every (key, query) pair of item it is visible (no mask needed). */
+    __device__ __forceinline__ bool item_full(int it) const {
+        const int q0 = w.q0(it);
+        return q0 + KQB <= p.Tq && w.k0 + KVB <= p.Tk && w.k0 + KVB - 1 <= mask.hi(q0) &&
+               w.k0 >= mask.lo(min(q0 + KQB, p.Tq) - 1);
+    }
+    /* P^T and dS^T of item it in place for accumulator column blocks [j0, j1); columns are queries
+     * q0 + 8j + 2tq + c, rows the thread's two keys. */
+    __device__ __forceinline__ void probs_cols(float *st, float *dpt, int it, bool full, int j0, int j1) const {
+        const int s = Ring::slot(it), q0 = w.q0(it);
+#pragma unroll
+        for (int j = j0; j < j1; ++j) {
+            /* the two columns' lse and Delta as one 8-byte shared load each */
+            const float2 l2v = *reinterpret_cast<const float2 *>(s_l2 + s * KQB + 8 * j + 2 * tq);
+            const float2 dlv = *reinterpret_cast<const float2 *>(s_dl + s * KQB + 8 * j + 2 * tq);
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+                const float l2 = c ? l2v.y : l2v.x, dl = c ? dlv.y : dlv.x;
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const int e = 2 * r + c;
+                    const float pv = ex2(st[4 * j + e] * scale_log2 - l2);
+                    st[4 * j + e] = pv;
+                    dpt[4 * j + e] = pv * (dpt[4 * j + e] - dl);
+                }
+            }
+        }
+        if (!full) { /* a separate pass, so full items carry none of the mask's registers */
+#pragma unroll
+            for (int j = j0; j < j1; ++j)
+#pragma unroll
+                for (int c = 0; c < 2; ++c) {
+                    const int q = q0 + 8 * j + 2 * tq + c;
+#pragma unroll
+                    for (int r = 0; r < 2; ++r)
+                        if (!vis(q, r)) st[4 * j + 2 * r + c] = dpt[4 * j + 2 * r + c] = 0.f; /* hidden inf/nan too */
+                }
+        }
+    }
+    __device__ __forceinline__ void release(int it) const { sm90::warp_arrive(bar.e(Ring::slot(it))); }
+    static __device__ __forceinline__ void fence_frags(uint32_t (*pf)[4], uint32_t (*df)[4]) {
+#pragma unroll
+        for (int kk = 0; kk < KQB / 16; ++kk)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(pf[kk][e]), "+r"(df[kk][e])::"memory");
+    }
+    static __device__ __forceinline__ void fence_frags(uint32_t (*pf)[4]) {
+#pragma unroll
+        for (int kk = 0; kk < KQB / 16; ++kk)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(pf[kk][e])::"memory");
+    }
+
+    /* Deterministic mode: dV += P^T dO and dK += dS^T Q from registers. */
+    __device__ __forceinline__ void run_det() {
+        for (int it = 0; it < w.n_it; ++it) {
+            float st[KQB / 2], dpt[KQB / 2];
+            uint32_t pf[KQB / 16][4], df[KQB / 16][4];
+            issue_sdp(st, dpt, it);
+            sm90::wg_wait<0>();
+            sm90::fence_regs(st, KQB / 2);
+            sm90::fence_regs(dpt, KQB / 2);
+            probs_cols(st, dpt, it, item_full(it), 0, KQB / 8);
+            to_frags<T, KQB>(pf, st);
+            to_frags<T, KQB>(df, dpt);
+            const int s = Ring::slot(it);
+            sm90::fence_regs(dv, D / 2);
+            sm90::fence_regs(dk, D / 2);
+            sm90::wg_fence();
+            sm90::rs_steps<T, D, KQB>(dv, pf, sO(s), KQB * 128);
+            sm90::rs_steps<T, D, KQB>(dk, df, sQ(s), KQB * 128);
+            sm90::wg_commit();
+            sm90::wg_wait<0>();
+            sm90::fence_regs(dv, D / 2);
+            sm90::fence_regs(dk, D / 2);
+            fence_frags(pf, df);
+            release(it);
+        }
+    }
+
+    /* P^T into fragments and dS^T (keys x queries, 128B-swizzled rows of 64 queries) into shared
+     * memory, 16 queries at a time to bound the live registers. */
+    __device__ __forceinline__ void probs_to_smem(float *st, float *dpt, uint32_t (*pf)[4], uint32_t sDS, int it) const {
+        const bool full = item_full(it);
+#pragma unroll
+        for (int kk = 0; kk < KQB / 16; ++kk) {
+            probs_cols(st, dpt, it, full, 2 * kk, 2 * kk + 2);
+            pf[kk][0] = elem<T>::pack(st[8 * kk + 0], st[8 * kk + 1]);
+            pf[kk][1] = elem<T>::pack(st[8 * kk + 2], st[8 * kk + 3]);
+            pf[kk][2] = elem<T>::pack(st[8 * kk + 4], st[8 * kk + 5]);
+            pf[kk][3] = elem<T>::pack(st[8 * kk + 6], st[8 * kk + 7]);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int c = 8 * kk + 2 * (e & 1) + 4 * (e >> 1); /* the to_frags pairing */
+                const uint32_t v = elem<T>::pack(dpt[c], dpt[c + 1]);
+                const uint32_t addr = sDS + sm90::sw128_offset(KVB, krow0 + 8 * (e & 1), 16 * kk + 8 * (e >> 1) + 2 * tq);
+                asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v));
+            }
+        }
+    }
+
+    /* Atomic-dQ mode. D = 128: warpgroup cw computes dQ columns [64 cw, 64 cw + 64) over all 128
+     * keys, so both warpgroups' dS^T must be in shared memory (named barrier kDsBar); D = 64: each
+     * warpgroup adds its own 64 keys' share of all 64 columns. dS^T is double-buffered: a
+     * warpgroup rewrites buffer it & 1 only after passing the barrier of item it - 1, which the
+     * other reaches after its dQ MMA of item it - 2 is done. The staging tile of the bulk reduction
+     * is rewritten only after its leader thread waited for the previous reduction's reads. dq_accum
+     * is (Hq, ceil(Tq / 64), D / 64, 4096) in fragment order (dq_frag_pos). */
+    __device__ __forceinline__ void run_adq(float *dq_accum) {
+        constexpr int kDqKeys = D == 128 ? KVB : 64;
+        const int key0 = D == 128 ? 0 : 64 * cw, cb = D == 128 ? cw : 0;
+        const uint32_t sKcol = sK() + cb * KVB * 128 + key0 * 128;
+        const uint32_t sStw = base + L::stage_off + cw * 64 * 64 * 4;
+        const bool leader = (threadIdx.x & 127) == 0;
+        const int n_qt = (p.Tq + KQB - 1) / KQB;
+        for (int it = 0; it < w.n_it; ++it) {
+            float st[KQB / 2], dpt[KQB / 2]; /* per item: no loop-carried accumulator copies */
+            uint32_t pf[KQB / 16][4];
+            issue_sdp(st, dpt, it);
+            sm90::wg_wait<0>();
+            sm90::fence_regs(st, KQB / 2);
+            sm90::fence_regs(dpt, KQB / 2);
+            const uint32_t sDS = base + L::ds_off + (it & 1) * L::ds_bytes;
+            probs_to_smem(st, dpt, pf, sDS, it);
+            const int s = Ring::slot(it);
+            sm90::fence_regs(dv, D / 2);
+            sm90::wg_fence();
+            sm90::rs_steps<T, D, KQB>(dv, pf, sO(s), KQB * 128); /* dV += P^T dO */
+            sm90::wg_commit();
+            sm90::fence_proxy_async_smem(); /* the generic-proxy stores above, before wgmma reads */
+            if (leader) sm90::bulk_wait_read<0>(); /* staging free once this barrier passes */
+            if (D == 128) sm90::named_sync(kDsBar, 256);
+            else sm90::named_sync(1 + cw, 128);
+            float dq[32];
+            sm90::fence_regs(dk, D / 2);
+            sm90::fence_regs(dq, 32);
+            sm90::wg_fence();
+#pragma unroll
+            for (int ks = 0; ks < KQB / 16; ++ks) /* dK += dS^T Q */
+                sm90::wgmma<T, D>::template ss<0, 1>(dk, sm90::desc_kmajor(sDS + 64 * cw * 128 + ks * 32),
+                                                     sm90::desc_mnmajor(sQ(s) + ks * 16 * 128, KQB * 128), 1);
+#pragma unroll
+            for (int ks = 0; ks < kDqKeys / 16; ++ks) /* dQ (this warpgroup's share) = dS K */
+                sm90::wgmma<T, 64>::template ss<1, 1>(dq, sm90::desc_mnmajor(sDS + (key0 + 16 * ks) * 128, KQB * 128),
+                                                      sm90::desc_mnmajor(sKcol + ks * 16 * 128, KVB * 128), ks > 0);
+            sm90::wg_commit();
+            sm90::wg_wait<0>();
+            sm90::fence_regs(dv, D / 2);
+            sm90::fence_regs(dk, D / 2);
+            sm90::fence_regs(dq, 32);
+            fence_frags(pf);
+            release(it);
+#pragma unroll
+            for (int j = 0; j < 8; ++j)
+#pragma unroll
+                for (int r = 0; r < 2; ++r)
+                    asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(sStw + 8 * dq_frag_pos(warp, j, r, lane)),
+                                 "f"(dq[4 * j + 2 * r]), "f"(dq[4 * j + 2 * r + 1]));
+            sm90::fence_proxy_async_smem();
+            sm90::named_sync(1 + cw, 128);
+            if (leader) {
+                const int qt = w.q0(it) / KQB;
+                float *dst = dq_accum + (((int64_t)w.head(it) * n_qt + qt) * (D / 64) + cb) * 4096;
+                sm90::bulk_reduce_add_f32(dst, sStw, 64 * 64 * 4);
+            }
+        }
+        if (leader) sm90::bulk_wait_read<0>(); /* shared memory must outlive the last reads */
+    }
+
+    /* The rows of this warpgroup in sK / sV are free once its MMAs are done: stage dK, dV there. */
+    __device__ __forceinline__ void store(const ncp_sink_attn_bwd_params &b) const {
+        store_rows<T, D, KVB>(dk, (float)p.scale, sK(), 64 * cw, reinterpret_cast<T *>(b.dk) + (int64_t)w.g_kv * b.dk_sh,
+                              b.dk_st, w.k0 + 64 * cw, p.Tk, cw);
+        store_rows<T, D, KVB>(dv, 1.f, sV(), 64 * cw, reinterpret_cast<T *>(b.dv) + (int64_t)w.g_kv * b.dv_sh, b.dv_st,
+                              w.k0 + 64 * cw, p.Tk, cw);
+    }
+};
+#endif /* NCP_SM90_DEVICE */
+
+}  // namespace bwd90
+}  // namespace ncp
+
+#endif /* NCP_SINK_ATTN_SM90_BWD_DKDV_CUH */

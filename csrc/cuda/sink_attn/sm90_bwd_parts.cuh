@@ -1,0 +1,209 @@
+/*
+ * sink_attn/sm90_bwd_parts.cuh: the parts of the Hopper backward (sm90_bwd.cu): shared-memory
+ * layout and barriers, the producers of the dK/dV and dQ kernels, the per-key visibility of the
+ * dK/dV kernel's mask pass, and the epilogue that stores a warpgroup's accumulator tile.
+ *
+ * Both kernels keep two tiles stationary in shared memory (dK/dV: K and V of 128 keys; dQ: Q and
+ * dO of 128 rows) and stream tiles of 64 rows through a 3-stage ring (dK/dV: Q and dO; dQ: K and V):
+ * one producer thread issues TMA, and in the dK/dV kernel warp 1 of the producer warpgroup writes
+ * lse * log2(e) and Delta of each streamed q tile into shared memory (the stage's "a" barrier
+ * counts both arrivals).
+ */
+#ifndef NCP_SINK_ATTN_SM90_BWD_PARTS_CUH
+#define NCP_SINK_ATTN_SM90_BWD_PARTS_CUH
+
+#include "../sm90/gemm.cuh"
+#include "../sm90/pipeline.cuh"
+#include "common.cuh"
+#include "launch.h"
+#include "mask.cuh"
+
+namespace ncp {
+namespace bwd90 {
+
+constexpr int kThreads = 384; /* producer + 2 consumer warpgroups */
+constexpr int kStages = 3;
+constexpr int KVB = 128;      /* dK/dV kernel: keys per CTA */
+constexpr int KQB = 64;       /* dK/dV kernel: q rows per streamed tile */
+constexpr int QQB = 128;      /* dQ kernel: q rows per CTA */
+constexpr int QKB = 64;       /* dQ kernel: keys per streamed tile */
+constexpr int kDsBar = 3;     /* named barrier: both warpgroups' dS^T stored (atomic-dQ kernel) */
+using Ring = sm90::Ring<kStages>;
+
+/* Two stationary tiles of SR rows, kStages x two streamed tiles of TR rows, with DS (atomic-dQ
+ * dK/dV kernel) two dS^T tiles of SR x TR and two 64 x 64 fp32 dQ staging tiles, the mbarriers,
+ * then kStages x TR floats of lse * log2(e) and of Delta for the streamed q tiles. */
+template <int D, int SR, int TR, bool DS = false> struct Layout {
+    static constexpr int stat_bytes = SR * D * 2;
+    static constexpr int tile_bytes = TR * D * 2;
+    static constexpr int s1_off = stat_bytes;
+    static constexpr int a_off = 2 * stat_bytes;
+    static constexpr int b_off = a_off + kStages * tile_bytes;
+    static constexpr int ds_bytes = SR * TR * 2; /* one dS^T tile: SR key rows x TR queries */
+    static constexpr int ds_off = b_off + kStages * tile_bytes;
+    static constexpr int stage_off = ds_off + (DS ? 2 * ds_bytes : 0);
+    static constexpr int bar_off = stage_off + (DS ? 2 * 64 * 64 * 4 : 0);
+    static constexpr int vec_off = bar_off + 128;
+    static constexpr int bytes = vec_off + 2 * kStages * TR * 4 + 1024;
+    static_assert(bytes <= 232448, "backward tiles exceed the shared memory of an sm_90 block");
+};
+
+#ifdef NCP_SM90_DEVICE
+/* stat_full, then per stage a_full (stream tile a, plus lse/Delta in the dK/dV kernel), b_full
+ * (stream tile b) and empty (one arrival per consumer warp). */
+struct Bars {
+    uint32_t base;
+    __device__ __forceinline__ uint32_t stat() const { return base; }
+    __device__ __forceinline__ uint32_t a(int s) const { return base + 8u * (1 + s); }
+    __device__ __forceinline__ uint32_t b(int s) const { return base + 8u * (1 + kStages + s); }
+    __device__ __forceinline__ uint32_t e(int s) const { return base + 8u * (1 + 2 * kStages + s); }
+    __device__ __forceinline__ void init(int a_arrivals) const {
+        sm90::mbar_init(stat(), 1);
+        for (int s = 0; s < kStages; ++s) {
+            sm90::mbar_init(a(s), a_arrivals);
+            sm90::mbar_init(b(s), 1);
+            sm90::mbar_init(e(s), 8);
+        }
+        sm90::mbar_fence_init();
+    }
+};
+
+/* The (query head, q tile) items of a dK/dV CTA: the q tiles [qt_lo, qt_lo + n_q) that see a key
+ * of [k0, k0 + KVB), for each of the G query heads of its kv head. */
+struct KvItems {
+    int g_kv, k0, G, qt_lo, n_q, n_it;
+    template <class Mask> __device__ __forceinline__ KvItems(const Mask &mask, int g_kv_, int k0_, int G_)
+        : g_kv(g_kv_), k0(k0_), G(G_) {
+        int r0, r1;
+        mask.rows_seeing(k0, min(k0 + KVB, mask.Tk) - 1, r0, r1);
+        qt_lo = r0 / KQB;
+        n_q = r1 >= r0 ? r1 / KQB - qt_lo + 1 : 0;
+        n_it = n_q * G;
+    }
+    __device__ __forceinline__ int head(int it) const { return g_kv * G + it / n_q; }
+    __device__ __forceinline__ int q0(int it) const { return (qt_lo + it % n_q) * KQB; }
+};
+
+/* dK/dV producer. Thread 0: K and V once, then Q and dO of every item. Warp 1: lse * log2(e) and
+ * Delta of every item's 64 rows into shared memory. */
+template <int D>
+__device__ __forceinline__ void produce_dkdv(const KvItems &w, const Bars &bar, uint32_t sK, uint32_t sV, uint32_t sQ0,
+                                             uint32_t sO0, float *s_l2, float *s_dl, const ncp_sink_attn_params &p,
+                                             const float *delta, const CUtensorMap *tm_k, const CUtensorMap *tm_v,
+                                             const CUtensorMap *tm_q, const CUtensorMap *tm_do) {
+    using L = Layout<D, KVB, KQB>;
+    const int tid = threadIdx.x, lane = tid & 31;
+    if (tid == 0) {
+        sm90::mbar_expect_tx(bar.stat(), 2 * L::stat_bytes);
+        sm90::tma_load_tile_pair<D>(sK, tm_k, sV, tm_v, KVB, w.g_kv, w.k0, bar.stat());
+        for (int it = 0; it < w.n_it; ++it) {
+            const int s = Ring::slot(it), h = w.head(it), q0 = w.q0(it);
+            if (it >= kStages) sm90::mbar_wait(bar.e(s), Ring::empty_phase(it));
+            sm90::mbar_expect_tx(bar.a(s), L::tile_bytes);
+            sm90::tma_load_tile<D>(sQ0 + s * L::tile_bytes, tm_q, KQB, h, q0, bar.a(s));
+            sm90::mbar_expect_tx(bar.b(s), L::tile_bytes);
+            sm90::tma_load_tile<D>(sO0 + s * L::tile_bytes, tm_do, KQB, h, q0, bar.b(s));
+        }
+    } else if (tid >> 5 == 1) {
+        for (int it = 0; it < w.n_it; ++it) {
+            const int s = Ring::slot(it), h = w.head(it), q0 = w.q0(it);
+            if (it >= kStages) sm90::mbar_wait(bar.e(s), Ring::empty_phase(it));
+            for (int c = lane; c < KQB; c += 32) {
+                const int q = q0 + c;
+                const bool ok = q < p.Tq;
+                s_l2[s * KQB + c] = ok ? __ldg(p.lse + (int64_t)h * p.Tq + q) * kLog2e : 0.f;
+                s_dl[s * KQB + c] = ok ? __ldg(delta + (int64_t)h * p.Tq + q) : 0.f;
+            }
+            sm90::warp_arrive(bar.a(s));
+        }
+    }
+}
+
+/* dQ producer (thread 0): Q and dO once, then K and V of every kv tile the rows see. */
+template <int D>
+__device__ __forceinline__ void produce_dq(const q_tile_range &rng, int n_it, const Bars &bar, uint32_t sQ, uint32_t sO,
+                                           uint32_t sK0, uint32_t sV0, int h, int g_kv, int q0, const CUtensorMap *tm_q,
+                                           const CUtensorMap *tm_do, const CUtensorMap *tm_k, const CUtensorMap *tm_v) {
+    using L = Layout<D, QQB, QKB>;
+    sm90::mbar_expect_tx(bar.stat(), 2 * L::stat_bytes);
+    sm90::tma_load_tile_pair<D>(sQ, tm_q, sO, tm_do, QQB, h, q0, bar.stat());
+    for (int it = 0; it < n_it; ++it) {
+        const int s = Ring::slot(it), kt = rng.kt_hi - it;
+        if (it >= kStages) sm90::mbar_wait(bar.e(s), Ring::empty_phase(it));
+        sm90::mbar_expect_tx(bar.a(s), L::tile_bytes);
+        sm90::tma_load_tile<D>(sK0 + s * L::tile_bytes, tm_k, QKB, g_kv, kt * QKB, bar.a(s));
+        sm90::mbar_expect_tx(bar.b(s), L::tile_bytes);
+        sm90::tma_load_tile<D>(sV0 + s * L::tile_bytes, tm_v, QKB, g_kv, kt * QKB, bar.b(s));
+    }
+}
+
+/* Which queries the thread's two keys see, for the mask pass of a partial dK/dV item. Documents:
+ * key k is seen by queries k <= q < doc_end(k) (and q - k < window); tables: by q with
+ * row_lo[q] <= k <= row_hi[q], read from global memory (L1-cached). */
+template <class Mask> struct KeyVis;
+template <> struct KeyVis<DocsMask> {
+    int kpos[2], kend[2], window, Tq;
+    __device__ __forceinline__ KeyVis(const DocsMask &m, int k_first) : window(m.window), Tq(m.Tq) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int k = k_first + 8 * r;
+            kpos[r] = k < m.Tk ? k : kNoKey;
+            kend[r] = k < m.Tk ? doc_end(m.cu, m.n_cu, k, m.Tq) : 0;
+        }
+    }
+    __device__ __forceinline__ bool operator()(int q, int r) const {
+        return q < Tq && kpos[r] <= q && q < kend[r] && (window <= 0 || q - kpos[r] < window);
+    }
+};
+template <> struct KeyVis<TableMask> {
+    const int32_t *lo_t, *hi_t;
+    int kpos[2], Tq;
+    __device__ __forceinline__ KeyVis(const TableMask &m, int k_first) : lo_t(m.lo_t), hi_t(m.hi_t), Tq(m.Tq) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) kpos[r] = k_first + 8 * r < m.Tk ? k_first + 8 * r : kNoKey;
+    }
+    __device__ __forceinline__ bool operator()(int q, int r) const {
+        return q < Tq && kpos[r] != kNoKey && __ldg(lo_t + q) <= kpos[r] && kpos[r] <= __ldg(hi_t + q);
+    }
+};
+
+/* Stores a warpgroup's 64 x D fp32 accumulator tile (times mul) as T rows [r0, r0 + 64) of dst,
+ * staged through rows [srow0, srow0 + 64) of the 128B-swizzled shared tile `stage` of SR rows. */
+template <typename T, int D, int SR>
+__device__ __forceinline__ void store_rows(const float *acc, float mul, uint32_t stage, int srow0, T *dst, int64_t st,
+                                           int r0, int n_rows, int cw) {
+    const int tid = threadIdx.x & 127, lane = tid & 31, warp = tid >> 5, gq = lane >> 2, tq = lane & 3;
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const uint32_t v = elem<T>::pack(acc[4 * j + 2 * r] * mul, acc[4 * j + 2 * r + 1] * mul);
+            const uint32_t addr = stage + sm90::sw128_offset(SR, srow0 + 16 * warp + gq + 8 * r, 8 * j + 2 * tq);
+            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v));
+        }
+    sm90::named_sync(1 + cw, 128);
+    constexpr int kChunks = D / 8;
+    for (int i = tid; i < 64 * kChunks; i += 128) {
+        const int row = i / kChunks, chunk = i % kChunks, g = r0 + row;
+        if (g >= n_rows) continue;
+        uint4 v;
+        asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];\n"
+                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                     : "r"(stage + sm90::sw128_offset(SR, srow0 + row, chunk * 8)));
+        *reinterpret_cast<uint4 *>(dst + (int64_t)g * st + chunk * 8) = v;
+    }
+    sm90::named_sync(1 + cw, 128);
+}
+#endif /* NCP_SM90_DEVICE */
+
+/* Position (in float2 units) of a warpgroup's dQ fragment pair (warp, j, r, lane) inside a staged
+ * 64 x 64 fp32 tile in "fragment order": rows 16 warp + lane / 4 + 8 r, columns 8 j + 2 (lane % 4)
+ * + {0, 1}. A warp's 32 lanes write 256 contiguous bytes (no bank conflicts). */
+__host__ __device__ __forceinline__ int dq_frag_pos(int warp, int j, int r, int lane) {
+    return ((warp * 8 + j) * 2 + r) * 32 + lane;
+}
+
+}  // namespace bwd90
+}  // namespace ncp
+
+#endif /* NCP_SINK_ATTN_SM90_BWD_PARTS_CUH */

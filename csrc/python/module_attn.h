@@ -1,0 +1,47 @@
+/*
+ * module_attn.h: the _C functions of module_attn.c (sink attention, Magi plans) and their method
+ * table entries, which module.c puts in the module's table.
+ */
+#ifndef NCP_MODULE_ATTN_H
+#define NCP_MODULE_ATTN_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+PyObject *ncp_py_sink_attn_fwd(PyObject *m, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
+PyObject *ncp_py_sink_attn_bwd(PyObject *m, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
+PyObject *ncp_py_sink_attn_bwd_workspace(PyObject *m, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
+PyObject *ncp_py_sink_attn_kernels(PyObject *m, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
+PyObject *ncp_py_sink_attn_check_mask(PyObject *m, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
+PyObject *ncp_py_attn_debug(PyObject *m, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
+PyObject *ncp_py_magi_geometry(PyObject *m, PyObject *const *args, Py_ssize_t nargs);
+PyObject *ncp_py_magi_dispatch(PyObject *m, PyObject *const *args, Py_ssize_t nargs);
+PyObject *ncp_py_plan_build(PyObject *m, PyObject *const *args, Py_ssize_t nargs);
+
+#define NCP_KW_METHOD(name, fn, doc) {name, (PyCFunction)(void (*)(void))fn, METH_FASTCALL | METH_KEYWORDS, doc}
+#define NCP_ATTN_METHODS                                                                                             \
+    NCP_KW_METHOD("sink_attn_fwd", ncp_py_sink_attn_fwd,                                                             \
+                  "sink_attn_fwd(*, q, k, v, out, lse, sink=None, scale, cu_seqlens=None, window=0, row_lo=None, "    \
+                  "row_hi=None, stream=None): learned-sink attention forward into out and lse."),                    \
+    NCP_KW_METHOD("sink_attn_bwd", ncp_py_sink_attn_bwd,                                                             \
+                  "sink_attn_bwd(*, q, k, v, out, lse, dout, dq, dk, dv, sink=None, dsink=None, workspace=None, "     \
+                  "scale, cu_seqlens=None, window=0, row_lo=None, row_hi=None, deterministic=0, stream=None)."),     \
+    NCP_KW_METHOD("sink_attn_bwd_workspace", ncp_py_sink_attn_bwd_workspace,                                         \
+                  "sink_attn_bwd_workspace(*, Tq, Hq, D, has_sink, deterministic, device) -> bytes of workspace "     \
+                  "the CUDA backward needs on that device (0 without CUDA)."),                                       \
+    NCP_KW_METHOD("sink_attn_kernels", ncp_py_sink_attn_kernels,                                                     \
+                  "sink_attn_kernels(*, deterministic=0, device=0) -> (forward, backward) kernel names."),           \
+    NCP_KW_METHOD("sink_attn_check_mask", ncp_py_sink_attn_check_mask,                                               \
+                  "sink_attn_check_mask(*, Tq, Tk, cu_seqlens=None, row_lo=None, row_hi=None): host check of the "   \
+                  "mask data."),                                                                                     \
+    NCP_KW_METHOD("attn_debug", ncp_py_attn_debug,                                                                   \
+                  "attn_debug(*, portable=None, grid=None, whole_tiles=None) -> previous (portable, grid, "          \
+                  "whole_tiles): test hooks of the attention dispatcher."),                                          \
+    {"magi_geometry", (PyCFunction)(void (*)(void))ncp_py_magi_geometry, METH_FASTCALL,                             \
+     "magi_geometry(total, cp_size, requested_chunk, min_chunks_per_rank) -> (chunk_size, total_padded)."},         \
+    {"magi_dispatch", (PyCFunction)(void (*)(void))ncp_py_magi_dispatch, METH_FASTCALL,                             \
+     "magi_dispatch(cu_seqlens_host, cp_size, chunk_size, total_padded, owner_out)."},                              \
+    {"plan_build", (PyCFunction)(void (*)(void))ncp_py_plan_build, METH_FASTCALL,                                   \
+     "plan_build(cu_seqlens_host, cp_size, cp_rank, requested_chunk, min_chunks_per_rank, windows) -> dict."}
+
+#endif /* NCP_MODULE_ATTN_H */

@@ -1,0 +1,40 @@
+"""Test hooks of the attention dispatcher (``_C.attn_debug``), as a context manager.
+
+    with attn_debug(portable=True):        # the portable mma.sync kernels on any GPU
+    with attn_debug(grid=5):               # the persistent Hopper forward on 5 CTAs
+    with attn_debug(whole_tiles=True):     # no half tiles in the Hopper forward (same bits)
+
+The hooks are one struct in the extension, read once per call; they are process-global, so do
+not use them from several threads at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+from .._ops import _C
+
+__all__ = ["attn_debug", "kernels"]
+
+
+@contextlib.contextmanager
+def attn_debug(*, portable: Optional[bool] = None, grid: Optional[int] = None, whole_tiles: Optional[bool] = None):
+    """Sets the given hooks for the block and restores the previous ones after it."""
+    args = {}
+    if portable is not None:
+        args["portable"] = int(bool(portable))
+    if grid is not None:
+        args["grid"] = int(grid)
+    if whole_tiles is not None:
+        args["whole_tiles"] = int(bool(whole_tiles))
+    prev = _C.attn_debug(**args)
+    try:
+        yield
+    finally:
+        _C.attn_debug(portable=prev[0], grid=prev[1], whole_tiles=prev[2])
+
+
+def kernels(deterministic: bool = False, device: int = 0) -> tuple[str, str]:
+    """(forward, backward) kernel names the dispatcher picks for a call on ``device`` now."""
+    return tuple(_C.sink_attn_kernels(deterministic=int(deterministic), device=device))
