@@ -13,13 +13,14 @@ from types import SimpleNamespace
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import doc_lengths, fake_mesh, make_attention_case, make_mimo_batch  # noqa: E402
+
 import nemo_cp_native as ncp  # noqa: E402
 from nemo_cp_native import flint  # noqa: E402
-from nemo_cp_native.testing import make_mimo_batch  # noqa: E402
-from nemo_cp_native.testing_attention import doc_lengths, make_attention_case  # noqa: E402
+from nemo_cp_native._demo import harness  # noqa: E402
 
-from nemo_cp_native._mesh_fake import fake_mesh  # noqa: E402
+SimulatedGroup, simulate_cp_attention = harness("SimulatedGroup"), harness("simulate_cp_attention")
 
 
 def attention():
@@ -39,7 +40,7 @@ def attention():
     c = make_attention_case(lengths, 4, 2, 64, device="cuda", generator=g)
     cu = c["cu_seqlens"].cpu()
     for window in (0, 70):
-        plans = [flint._build_magi_plan(cu, cfg, flint.SimulatedGroup(3, r)) for r in range(3)]
+        plans = [flint._build_magi_plan(cu, cfg, SimulatedGroup(3, r)) for r in range(3)]
         idx = [p.keys[0].local_token_global_indices for p in plans]
         T = c["q"].shape[0]
 
@@ -51,7 +52,7 @@ def attention():
 
         loc = [[local(t, i) for i in idx] for t in (c["q"], c["k"], c["v"])]
         douts = [torch.randn_like(x) for x in loc[0]]
-        flint.simulate_cp_attention(plans, *loc, c["sink"], window, 64**-0.5, douts)
+        simulate_cp_attention(plans, *loc, c["sink"], window, 64**-0.5, douts)
 
 
 def initcheck_probe():

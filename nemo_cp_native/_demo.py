@@ -177,21 +177,21 @@ def attention_speed_cpu(quick: bool):
     return timings
 
 
-def attention_speed_gpu(quick: bool, reps: int = 10):
+def attention_speed_gpu(quick: bool, reps: int = 10, device="cuda", shape=None):
     """Ours against FlexAttention + sink and SDPA, bf16, Flint's 32/4/128, forward and
-    forward+backward, default arguments, timed as the benchmark times them."""
+    forward+backward, default arguments, timed as the benchmark times them. ``shape``: (tokens,
+    document length, Hq, Hkv, D) instead of the defaults."""
     doc_lengths, make_attention_case = harness("doc_lengths"), harness("make_attention_case")
-    total, doc = (8192, 2048) if quick else (32768, 8192)
-    hq, hkv, d = 32, 4, 128
+    total, doc, hq, hkv, d = shape or ((8192, 2048) if quick else (32768, 8192)) + (32, 4, 128)
     g = torch.Generator().manual_seed(4)
     checks, timings = [], []
     for window in (0, 513):
         lengths = doc_lengths(total, f"equal:{doc}")
-        c = make_attention_case(lengths, hq, hkv, d, dtype=torch.bfloat16, device="cuda", generator=g)
+        c = make_attention_case(lengths, hq, hkv, d, dtype=torch.bfloat16, device=device, generator=g)
         q, k, v, sink, cu = c["q"], c["k"], c["v"], c["sink"], c["cu_seqlens"]
-        dout = torch.randn(q.shape, generator=g).to("cuda", torch.bfloat16)
+        dout = torch.randn(q.shape, generator=g).to(device, torch.bfloat16)
         flops = bl.attention_flops(lengths, window, hq, d)
-        tag = f"T={total} {doc // 1024}k docs {'causal' if window == 0 else f'w={window}'}"
+        tag = f"T={total} {f'{doc // 1024}k' if doc % 1024 == 0 else doc} docs {'causal' if window == 0 else f'w={window}'}"
         leaves = [t.detach().requires_grad_() for t in (q, k, v, sink)]
 
         def ours_fwd():
