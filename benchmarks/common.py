@@ -57,6 +57,7 @@ def env_record() -> dict:
         "torch": torch.__version__,
         "build": ncp.build_info(),
         "cpu": platform.processor() or platform.machine(),
+        "host_cpus": os.cpu_count(),
         "argv": " ".join(sys.argv),
     }
     if torch.cuda.is_available():
