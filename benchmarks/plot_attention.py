@@ -18,6 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from render_records import LABELS, PAGE, ROOT, blocks, load_attn  # noqa: E402
 
 SERIES = (("ncp", "#76b900"), ("flex+sink", "#4c72b0"), ("sdpa(no sink)", "#b0b0b0"))
+LEGEND = {**LABELS, "sdpa(no sink)": "SDPA, no sink (causal cases only)"}
 
 
 def plot(path: str, out: str, method: str | None = None) -> str:
@@ -41,7 +42,7 @@ def plot(path: str, out: str, method: str | None = None) -> str:
                 if t is not None:
                     xs.append(i + (j - 1) * width)
                     ys.append(t[key])
-            bars = ax.bar(xs, ys, width, label=LABELS[impl], color=color, edgecolor="black", linewidth=0.4)
+            bars = ax.bar(xs, ys, width, label=LEGEND[impl], color=color, edgecolor="black", linewidth=0.4)
             if impl == "ncp":
                 ax.bar_label(bars, fmt="%.0f", fontsize=7, padding=1)
         ax.set_title(title)

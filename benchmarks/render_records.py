@@ -153,7 +153,8 @@ def render_attn(paths: list[str]) -> str:
         out.append("| " + " | ".join(cells) + " |")
     primary = a["methods"][0]
     out.append("")
-    out.append(f"TFLOP/s, forward / forward+backward (bf16). Columns without a suffix: {method_text(a, primary)}.")
+    which = "Columns without a suffix" if len(a["methods"]) > 1 else "Timing"
+    out.append(f"TFLOP/s, forward / forward+backward (bf16). {which}: {method_text(a, primary)}.")
     for m in a["methods"][1:]:
         out.append(f"Columns marked *{m}*: {method_text(a, m)}.")
     out.append(source_line(a["path"], a["env"]))
@@ -319,9 +320,9 @@ def render_tried(paths: list[str]) -> str:
                     changes.append((100 * (x[metric] / y[metric] - 1), c, _short(path)))
         lo, hi = min(changes), max(changes)
         commits = ", ".join(f"`{_short(p)}`" for p, _, _ in runs)
-        line = (f"- {what} ({how}): {'forward' if metric == 'fwd' else 'forward+backward'} {lo[0]:+.1f}% "
-                f"({lo[1]}) to {hi[0]:+.1f}% ({hi[1]}) over {len(changes)} case runs ({commits})")  # fmt: skip
-        wins = [f"{c} {p:+.1f}% (`{k}`)" for p, c, k in changes if p > 1.0]
+        line = (f"- {what}, {how}: {'forward' if metric == 'fwd' else 'forward+backward'} {lo[0]:+.1f}% ({lo[1]}) "
+                f"to {hi[0]:+.1f}% ({hi[1]}); {len(changes)} cases, run{'s' if len(runs) > 1 else ''} {commits}")  # fmt: skip
+        wins = [f"{c} ({p:+.1f}%, `{k}`)" for p, c, k in changes if p > 1.0]
         out.append(line + (f"; faster on {', '.join(wins)}" if wins else "") + ".")
     return "\n".join(out)
 
