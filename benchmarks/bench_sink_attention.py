@@ -104,12 +104,11 @@ def _kernel_note() -> str:
     return ("sm90 fwd" if fwd() == 4 else "mma.sync fwd") + (" + sm90 bwd" if bwd() == 4 else " + mma.sync bwd")
 
 
-def _ours(q, k, v, sink, cu, window, dout, variants) -> list[Impl]:
+def _ours(q, k, v, sink, cu, window, dout, ref, variants) -> list[Impl]:
     leaves = [t.detach().requires_grad_() for t in (q, k, v, sink)]
     rows = [("ncp", leaves[3], {}, _kernel_note()), ("ncp-nosink", None, {}, "no sink"),
             ("ncp-deterministic", leaves[3], {"NCP_DETERMINISTIC": "1"}, "deterministic backward")]  # fmt: skip
     rows += [(name, leaves[3], env, " ".join(f"{k}={v}" for k, v in env.items())) for name, env in variants]
-    ref = ncp.sink_attention(q, k, v, sink, cu, window=window)
     impls = []
     for name, s, env, note in rows:
 
@@ -200,9 +199,9 @@ def bench_case(name, spec, *, flex: bool, reps: int, heat: float, only: frozense
     fwd_flops = bl.attention_flops(lengths, window, hq, d)
     base = {"case": name, "tokens": total, "doc": doc_len, "heads": f"{hq}/{hkv}", "D": d, "window": window}
     keep = lambda n: not only or n in only or n.split("(")[0] in only  # noqa: E731
-    impls = [i for i in _ours(q, k, v, sink, cu, window, dout, variants) if keep(i.name)]
-    rows = []
     ref = ncp.sink_attention(q, k, v, sink, cu, window=window)
+    impls = [i for i in _ours(q, k, v, sink, cu, window, dout, ref, variants) if keep(i.name)]
+    rows = []
     if flex and keep("flex+sink"):
         try:
             impls.append(_flex(q, k, v, sink, lengths, window, dout, ref))

@@ -157,6 +157,9 @@ def render_attn(paths: list[str]) -> str:
     out.append(f"TFLOP/s, forward / forward+backward (bf16). {which}: {method_text(a, primary)}.")
     for m in a["methods"][1:]:
         out.append(f"Columns marked *{m}*: {method_text(a, m)}.")
+    if "do_bench" not in a["methods"]:
+        out.append("This run predates the do_bench timing, which `bench_sink_attention.py` now records by default "
+                   "beside the queued one.")  # fmt: skip
     out.append(source_line(a["path"], a["env"]))
     return "\n".join(out)
 
@@ -203,7 +206,7 @@ def render_mimo(paths: list[str]) -> str:
     head = ["machine", "case", "native ms", "native, `seq_lens` on CPU", "torch ops + native TE partition",
             "native speedup over it", "torch ops + Python TE oracle", "fused gather pass alone"]  # fmt: skip
     out = ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 2)]
-    sources = []
+    sources, any_gpu = [], False
     for path in paths:
         data = _read(path)
         gpu = data.get("device") == "cuda"
@@ -219,10 +222,13 @@ def render_mimo(paths: list[str]) -> str:
             out.append("| " + " | ".join([machine(data["env"], gpu), c, _ms(nat), _ms(by.get((c, "native(metaCPU)"))),
                                           _ms(fast), ratio, _ms(by.get((c, "ref(pyTE)"))), pass_]) + " |")  # fmt: skip
         sources.append(source_line(path, data["env"], gpu))
+        any_gpu = any_gpu or gpu
     out.append("")
     out.append("Wall-clock ms per call, median (on a GPU, with a device sync after each call); host syncs per "
                "call in parentheses. Case: B rows of S tokens, C pipeline chunks, cp size, rank.")  # fmt: skip
     out += sources
+    if not any_gpu:
+        out.append("No GPU run of this benchmark is recorded yet (`gpu_run.sh mimo`, then `--import`).")
     return "\n".join(out)
 
 
@@ -255,6 +261,9 @@ def render_flint(paths: list[str]) -> str:
                        f"{r['whole_seq_fwd_tflops']} | {r['cp_load_balance']} |")  # fmt: skip
     out.append("")
     out += [source_line(p, d["env"], bool(d.get("simulated"))) for p, d in runs]
+    if not sim:
+        out.append("Simulated ranks need a GPU; no GPU run of this benchmark is recorded yet (`gpu_run.sh flint`, "
+                   "then `--import`).")  # fmt: skip
     return "\n".join(out)
 
 

@@ -82,7 +82,9 @@ def demo(device: str, quick: bool) -> int:
                            "(the benchmark's do_bench method); other rows: " if gpu else "")
           + "wall clock, median" + (", device synced after each call." if gpu else "."))  # fmt: skip
     if not gpu:
-        print("GPU baselines (FlexAttention with the sink correction, SDPA) need a GPU: run this on one. On the CPU,\n"
+        why = ("this build has no CUDA kernels (build with nvcc present)" if torch.cuda.is_available() and
+               not ncp.has_cuda() else "run this on one")  # fmt: skip
+        print(f"GPU baselines (FlexAttention with the sink correction, SDPA) need a GPU: {why}. On the CPU,\n"
               "attention and Flint run the C double-precision path (the CPU backend and second oracle).")  # fmt: skip
     bad = [c.name for c in checks if not c.ok]
     print(f"\ndemo took {time.perf_counter() - t0:.0f} s")

@@ -191,7 +191,8 @@ def attention_speed_gpu(quick: bool, reps: int = 10, device="cuda", shape=None):
         q, k, v, sink, cu = c["q"], c["k"], c["v"], c["sink"], c["cu_seqlens"]
         dout = torch.randn(q.shape, generator=g).to(device, torch.bfloat16)
         flops = bl.attention_flops(lengths, window, hq, d)
-        tag = f"T={total} {f'{doc // 1024}k' if doc % 1024 == 0 else doc} docs {'causal' if window == 0 else f'w={window}'}"
+        docs = f"{doc // 1024}k" if doc % 1024 == 0 else str(doc)
+        tag = f"T={total} {docs} docs " + ("causal" if window == 0 else f"w={window}")
         leaves = [t.detach().requires_grad_() for t in (q, k, v, sink)]
 
         def ours_fwd():
