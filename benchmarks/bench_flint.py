@@ -22,13 +22,15 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import env_record, print_table, time_cuda, write_json  # noqa: E402
+from common import (doc_lengths, env_record, make_attention_case, pack_documents, print_table,  # noqa: E402
+                    time_cuda, write_json)  # fmt: skip
 
 import nemo_cp_native as ncp  # noqa: E402
-from nemo_cp_native import flint, testing  # noqa: E402
+from nemo_cp_native import flint  # noqa: E402
+from nemo_cp_native.testing import SimulatedGroup  # noqa: E402
 from nemo_cp_native.attention import attn_backward, attn_forward  # noqa: E402
 from nemo_cp_native.reference import magi as rmagi  # noqa: E402
-from nemo_cp_native.testing import doc_lengths, make_attention_case, pack_documents  # noqa: E402
+
 
 
 def _median_us(fn, reps):
@@ -45,7 +47,7 @@ def plan_rows(T, cp, cfg, doc_mode, reps):
     g = torch.Generator().manual_seed(7)
     lengths = doc_lengths(T, doc_mode, mean=4096, generator=g)
     cu = pack_documents(lengths)
-    grp = testing.SimulatedGroup(cp, 0)
+    grp = SimulatedGroup(cp, 0)
     c_us = _median_us(lambda: flint._build_magi_plan(cu, cfg, grp), reps)
     py_us = _median_us(lambda: rmagi.dispatch(cu, cp, cfg.magi_chunk_size), max(3, reps // 5))
     plan = flint._build_magi_plan(cu, cfg, grp)
@@ -58,7 +60,7 @@ def plan_rows(T, cp, cfg, doc_mode, reps):
 def volume_rows(T, cp, cfg, doc_mode):
     g = torch.Generator().manual_seed(7)
     cu = pack_documents(doc_lengths(T, doc_mode, mean=4096, generator=g))
-    plans = [flint._build_magi_plan(cu, cfg, testing.SimulatedGroup(cp, r)) for r in range(cp)]
+    plans = [flint._build_magi_plan(cu, cfg, SimulatedGroup(cp, r)) for r in range(cp)]
     per_tok = cfg.num_key_value_heads * 2 * cfg.head_dim * 2  # K and V, bf16
     rows = []
     for w in sorted(plans[0].keys):
@@ -78,7 +80,7 @@ def sim_rows(T, cp, cfg, doc_len, reps):
     hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     c = make_attention_case(lengths, hq, hkv, d, device="cuda", generator=g)
     cu = c["cu_seqlens"]
-    plans = [flint._build_magi_plan(cu.cpu(), cfg, testing.SimulatedGroup(cp, r)) for r in range(cp)]
+    plans = [flint._build_magi_plan(cu.cpu(), cfg, SimulatedGroup(cp, r)) for r in range(cp)]
     rows = []
     for w in sorted(plans[0].keys):
         whole_fwd = time_cuda(lambda: ncp.sink_attention(c["q"], c["k"], c["v"], c["sink"], cu, window=w,

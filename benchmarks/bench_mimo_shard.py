@@ -8,7 +8,8 @@ placeholders, cp = 8 seen from rank 3, num_chunks 1 and 4. Three implementations
 - ``ref(pyTE)``: the reference path (``nemo_cp_native.reference.mimo``, the framework's torch ops with
   their host syncs) whose Transformer Engine call is our Python-loop TE oracle, which is slow;
 - ``ref(fastTE)``: the same reference path with the TE call answered by the native
-  ``thd_partition_indices`` (one kernel, like real TE): the fair measure of the framework's own ops.
+  ``thd_partition_indices`` (one kernel, like real TE; ``nemo_cp_native.baselines.
+  mimo_reference_fast_te``, also the demo's baseline): the fair measure of the framework's own ops.
 
 On CUDA a fourth row, ``native(metaCPU)``, keeps ``seq_lens*`` on the host (as a collator can),
 which removes the one device-to-host copy.
@@ -30,68 +31,22 @@ import argparse
 import contextlib
 import dataclasses
 import os
-import re
 import sys
-import warnings
 
 import torch
-import torch.distributed as dist
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [_HERE, os.path.dirname(_HERE)]  # common.py, and the package when run from a checkout
-from common import env_record, print_table, time_cpu, time_cuda, write_json  # noqa: E402
-
-from nemo_cp_native.testing import count_syncs as _count_syncs  # noqa: E402
+from common import env_record, fake_mesh, make_mimo_batch, print_table, time_cpu, time_cuda, write_json  # noqa: E402
 
 from nemo_cp_native import _C  # noqa: E402
 from nemo_cp_native import mimo as nat  # noqa: E402
+from nemo_cp_native.testing import count_syncs as _count_syncs  # noqa: E402
 from nemo_cp_native._ops import dl, stream_of  # noqa: E402
-from nemo_cp_native import thd_partition_indices  # noqa: E402
+from nemo_cp_native.baselines import mimo_reference_fast_te as _fast_te  # noqa: E402
 from nemo_cp_native.reference import mimo as ref  # noqa: E402
-from nemo_cp_native.testing import make_mimo_batch  # noqa: E402
 
 IMG, VID = 151655, 151656
-
-
-class _SimMesh:
-    """A 1-D "cp" mesh of ``size`` ranks seen from ``rank`` (what the sharders read of a DeviceMesh)."""
-
-    mesh_dim_names = ("cp",)
-
-    def __init__(self, size, rank):
-        self._size, self._rank, self._group = size, rank, object()
-
-    def size(self, mesh_dim=None):
-        return self._size
-
-    def get_group(self, mesh_dim=None):
-        return self._group
-
-    def get_local_rank(self, mesh_dim=None):
-        return self._rank
-
-
-@contextlib.contextmanager
-def _simulated_dist(mesh):
-    """``torch.distributed`` answers for ``mesh`` as if this process were its rank (no collective runs)."""
-    saved = (dist.is_available, dist.is_initialized, dist.get_rank)
-    dist.is_available, dist.is_initialized = (lambda: True), (lambda: True)
-    dist.get_rank = lambda group=None: mesh.get_local_rank()
-    try:
-        yield
-    finally:
-        dist.is_available, dist.is_initialized, dist.get_rank = saved
-
-
-@contextlib.contextmanager
-def _fast_te():
-    """The reference path with its TE call answered by the native partition kernel."""
-    saved = ref.thd_get_partitioned_indices
-    ref.thd_get_partitioned_indices = lambda cu, total, w, r: thd_partition_indices(cu, total, w, r, validate=False)
-    try:
-        yield
-    finally:
-        ref.thd_get_partitioned_indices = saved
 
 
 def _same(a, b, path="out"):
@@ -158,7 +113,6 @@ def run_case(name, B, S, C, cp, rank, docs, device, reps, ref_reps, seed):
     g = torch.Generator().manual_seed(seed)
     batch = make_mimo_batch(B, S, num_chunks=C, cp_size=cp, docs_per_row=docs, image_token_id=IMG,
                             video_token_id=VID, generator=g, device=device)  # fmt: skip
-    mesh = _SimMesh(cp, rank)
     opts = {"num_chunks": C, "image_token_id": IMG, "video_token_id": VID}
     cuda = device == "cuda"
     nothing = contextlib.nullcontext
@@ -173,7 +127,7 @@ def run_case(name, B, S, C, cp, rank, docs, device, reps, ref_reps, seed):
     impls["ref(pyTE)"] = (call(ref, batch), nothing)
     impls["ref(fastTE)"] = (call(ref, batch), _fast_te)
     rows = []
-    with _simulated_dist(mesh):
+    with fake_mesh(cp, rank) as mesh:
         want = _cpu(impls["ref(pyTE)"][0]())
         for impl, (fn, ctx) in impls.items():  # validate before timing
             with ctx():

@@ -1,8 +1,9 @@
-"""Shared benchmark helpers: timing (CUDA events / wall clock), environment record, JSON output.
+"""Shared benchmark helpers: timing (CUDA events / wall clock), environment record, JSON output,
+and the test/bench case builders (looked up wherever this version of the package keeps them).
 
-Timing rule (METHOD.md, llm.c): validate first, warm up, then take the median of many timed
-repetitions; on the GPU with CUDA events around the region and an L2 flush between repetitions
-when asked.
+Timing rule (llm.c, triton's do_bench): validate first, warm up, then take the median of many timed
+repetitions; on the GPU ``nemo_cp_native.baselines.time_gpu``: CUDA events around the call and
+the L2 cache flushed before each repetition.
 """
 
 from __future__ import annotations
@@ -23,7 +24,12 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
-__all__ = ["env_record", "git_commit", "queue_gap", "time_cpu", "time_cuda", "write_json", "print_table"]
+from nemo_cp_native.testing import doc_lengths, fake_mesh, make_attention_case, make_mimo_batch, pack_documents  # noqa: E402
+from nemo_cp_native.baselines import queue_gap, time_gpu  # noqa: E402
+
+__all__ = ["doc_lengths", "env_record", "fake_mesh", "git_commit", "make_attention_case", "make_mimo_batch",
+           "pack_documents", "print_table", "queue_gap", "time_cpu", "time_cuda", "write_json"]  # fmt: skip
+
 
 
 def git_commit() -> str:
@@ -48,6 +54,7 @@ def env_record() -> dict:
         "torch": torch.__version__,
         "build": ncp.build_info(),
         "cpu": platform.processor() or platform.machine(),
+        "host_cpus": os.cpu_count(),
         "argv": " ".join(sys.argv),
     }
     if torch.cuda.is_available():
@@ -56,50 +63,10 @@ def env_record() -> dict:
     return rec
 
 
-_FLUSH = None
-
-
-def _flush_l2():
-    global _FLUSH
-    if _FLUSH is None:
-        _FLUSH = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.int32, device="cuda")
-    _FLUSH.zero_()
-
-
-# GPU cycles of the spin queued ahead of a timed call (queued=True): about 0.5 ms at the H200's
-# 1.98 GHz, longer than the host work of one attention call, so that work overlaps the spin.
-QUEUE_GAP_CYCLES = 1_000_000
-
-
-def queue_gap() -> None:
-    """Keeps the GPU busy (torch.cuda._sleep) while the host launches the timed call's kernels."""
-    torch.cuda._sleep(QUEUE_GAP_CYCLES)
-
-
-def time_cuda(fn, *, warmup: int = 3, reps: int = 20, flush_l2: bool = False, queued: bool = False) -> float:
-    """Median milliseconds of ``fn()`` on the current stream, timed with CUDA events.
-
-    queued=False: the GPU is idle when the start event is recorded, so the host's work between the
-    start event and the first kernel (argument checks, allocations, launch) counts. This is the
-    time of a call on an idle GPU. queued=True: a GPU spin is queued first (queue_gap), so the host
-    launches while it runs. This is the GPU time of the call, as when a training step keeps the
-    queue full."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        if flush_l2:
-            _flush_l2()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        if queued:
-            queue_gap()
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+def time_cuda(fn, *, warmup: int = 3, reps: int = 20, flush_l2: bool = True, queued: bool = False) -> float:
+    """Median milliseconds of ``fn()`` on the current stream: ``nemo_cp_native.baselines.time_gpu``
+    (CUDA events, L2 flushed before each repetition; ``queued``: a GPU spin queued ahead of it)."""
+    return time_gpu(fn, warmup=warmup, reps=reps, flush_l2=flush_l2, queued=queued)
 
 
 def time_cpu(fn, *, warmup: int = 2, reps: int = 10, sync_cuda: bool = False) -> float:

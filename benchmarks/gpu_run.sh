@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: build, CUDA tests, compute-sanitizer, benchmarks.
+# One call on the GPU machine: build, CUDA tests, compute-sanitizer, benchmarks, the demo.
 # Logs and JSON go to $OUT (at most 8 files come back: keep it to these):
 #   build.log  pytest.log  sanitizer.log  bench_attn.json  bench_mimo.json  bench_flint.json
-#   summary.txt (headlines + every benchmark's printed table)  sass.txt  (probe.log with probe,
-#   ncu.txt with profile)
+#   summary.txt (headlines + every benchmark's printed table + the demo's output)  sass.txt
+#   (probe.log with probe, ncu.txt with profile)
+# Back on the development machine, BENCHMARKS.md and its plot come from the three JSON files:
+#   python benchmarks/render_records.py --import $OUT --prune && python benchmarks/plot_attention.py
 #
 #   OUT=/tmp/out NCP_COMMIT=<sha> bash benchmarks/gpu_run.sh [stage ...]
 # Set NCP_COMMIT from the machine that holds the repository: the device tool's copy of .git can be
 # stale, so `git rev-parse` run there may name an older commit than the tree it copied.
-# stages: build test sanitize probe profile kernels attn mimo flint all (default: all; probe: the
+# stages: build test sanitize probe profile kernels attn mimo flint demo all (default: all; probe: the
 # racecheck mbarrier probe, profile: Nsight Compute on the Hopper forward, PROF_CASES, PROF_ENV;
-# neither is part of all). Test, sanitizer and
-# attention stages run under `timeout` (TEST_TIMEOUT, SAN_TIMEOUT, ATTN_TIMEOUT seconds). Each stage appends its
+# neither is part of all). Test, sanitizer,
+# attention and demo stages run under `timeout` (TEST_TIMEOUT, SAN_TIMEOUT, ATTN_TIMEOUT, DEMO_TIMEOUT seconds). Each stage appends its
 # headline to summary.txt; a failing stage is reported and the next one still runs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -59,7 +61,7 @@ if want sanitize; then
   done
 fi
 
-if [[ " $STAGES " == *" probe "* ]]; then  # only when named: does racecheck model mbarrier hand-offs? (BENCHMARKS.md sections 1d, 1i)
+if [[ " $STAGES " == *" probe "* ]]; then  # only when named: does racecheck model mbarrier hand-offs? (BENCHMARKS.md, known limits)
   mkdir -p build
   if nvcc -arch=sm_90a -o build/racecheck_mbarrier_probe benchmarks/racecheck_mbarrier_probe.cu > "$OUT/probe.log" 2>&1; then
     timeout ${SAN_TIMEOUT:-300} compute-sanitizer --tool racecheck build/racecheck_mbarrier_probe >> "$OUT/probe.log" 2>&1
@@ -98,5 +100,9 @@ fi
 if want flint; then
   $PY benchmarks/bench_flint.py ${FLINT_ARGS:-} --json "$OUT/bench_flint.json" >> "$SUM" 2>&1
   note "bench_flint exit $?"
+fi
+if want demo; then  # the README's main job: parity checks, then ours against Flex+sink, SDPA and the torch ops
+  timeout ${DEMO_TIMEOUT:-240} $PY -m nemo_cp_native demo ${DEMO_ARGS:-} >> "$SUM" 2>&1
+  note "demo exit $?"
 fi
 note "done"

@@ -11,11 +11,10 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
-import nemo_cp_native as ncp  # noqa: E402
-from nemo_cp_native.testing import doc_lengths, make_attention_case  # noqa: E402
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import doc_lengths, make_attention_case  # noqa: E402  (also puts the repository root on the path)
+
+import nemo_cp_native as ncp  # noqa: E402
 from bench_sink_attention import CASES, QUICK  # noqa: E402
 
 

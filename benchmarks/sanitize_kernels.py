@@ -1,8 +1,11 @@
 """Runs every CUDA kernel once at small sizes, for compute-sanitizer (memcheck, racecheck, synccheck).
 
-    compute-sanitizer --tool memcheck --kernel-regex kns=ncp python benchmarks/sanitize_kernels.py [attention] [mimo] [initprobe]
+    compute-sanitizer --tool memcheck --kernel-regex kns=ncp python benchmarks/sanitize_kernels.py \
+        [attention] [malformed] [mimo] [initprobe]
 Every launch goes through the public Python API, so argument plumbing is exercised as well.
-Odd sizes on purpose: partial tiles, rows past the end, documents shorter than a tile.
+Odd sizes on purpose: partial tiles, rows past the end, documents shorter than a tile. The
+attention part runs on every kernel the dispatcher can pick (its test hooks); "malformed" feeds
+the kernels tables that skip validation (validate=False, and tables straight to the native op).
 """
 
 from __future__ import annotations
@@ -13,13 +16,13 @@ from types import SimpleNamespace
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import nemo_cp_native as ncp  # noqa: E402
-from nemo_cp_native import flint, testing  # noqa: E402
-from nemo_cp_native.testing import make_mimo_batch  # noqa: E402
-from nemo_cp_native.testing import doc_lengths, make_attention_case  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import doc_lengths, fake_mesh, make_attention_case, make_mimo_batch  # noqa: E402
 
-from nemo_cp_native.testing import fake_mesh  # noqa: E402
+import nemo_cp_native as ncp  # noqa: E402
+from nemo_cp_native import flint  # noqa: E402
+from nemo_cp_native.attention import AttnMask, attn_backward, attn_forward  # noqa: E402
+from nemo_cp_native.testing import SimulatedGroup, attn_debug, simulate_cp_attention  # noqa: E402
 
 
 def attention():
@@ -32,14 +35,14 @@ def attention():
         out.backward(torch.randn_like(out))
         out = ncp.sink_attention(c["q"], c["k"], c["v"], None, c["cu_seqlens"], window=window)
         out.backward(torch.randn_like(out))
-    # positions mode (Flint CP, simulated ranks)
+    # the table mask (Flint CP, simulated ranks)
     cfg = SimpleNamespace(num_attention_heads=4, num_key_value_heads=2, head_dim=64, sliding_window=70,
                           magi_chunk_size=40)  # fmt: skip
     lengths = doc_lengths(700, "random", mean=150, generator=g)
     c = make_attention_case(lengths, 4, 2, 64, device="cuda", generator=g)
     cu = c["cu_seqlens"].cpu()
     for window in (0, 70):
-        plans = [flint._build_magi_plan(cu, cfg, testing.SimulatedGroup(3, r)) for r in range(3)]
+        plans = [flint._build_magi_plan(cu, cfg, SimulatedGroup(3, r)) for r in range(3)]
         idx = [p.keys[0].local_token_global_indices for p in plans]
         T = c["q"].shape[0]
 
@@ -51,7 +54,35 @@ def attention():
 
         loc = [[local(t, i) for i in idx] for t in (c["q"], c["k"], c["v"])]
         douts = [torch.randn_like(x) for x in loc[0]]
-        testing.simulate_cp_attention(plans, *loc, c["sink"], window, 64**-0.5, douts)
+        simulate_cp_attention(plans, *loc, c["sink"], window, 64**-0.5, douts)
+
+
+def malformed():
+    """Document tables and row-bound tables that would fail validation, straight to the kernels:
+    decreasing, past T, negative, huge, and bounds outside the key range. The kernels must stay in
+    bounds (any output values are allowed)."""
+    g = torch.Generator().manual_seed(3)
+    T = 700
+    c = make_attention_case([T], 8, 2, 128, device="cuda", generator=g, requires_grad=True)
+    big = 2**31 - 1
+    tables = ([0, 500, 200, T], [0, 300, 5000, T], [0, -50, 400, T], [0, big, T], [-big, 100, big],
+              [0, T + 900], [0, 100], [5, 3, 1])  # fmt: skip
+    for cu in tables:
+        cu = torch.tensor(cu, dtype=torch.int32, device="cuda")
+        for window in (0, 77):
+            out = ncp.sink_attention(c["q"], c["k"], c["v"], c["sink"], cu, window=window, validate=False)
+            out.backward(torch.randn_like(out))
+    q, k, v, s = (t.detach() for t in (c["q"], c["k"], c["v"], c["sink"]))
+    for lo, hi in ((-5, T + 40), (T + 3, -7), (big, -big), (-big, big)):
+        rows = torch.arange(T, device="cuda", dtype=torch.int64)
+        mask = AttnMask(row_lo=(rows * 0 + lo).clamp(-big, big).to(torch.int32),
+                        row_hi=(rows * 0 + hi).clamp(-big, big).to(torch.int32))  # fmt: skip
+        out, lse = attn_forward(q, k, v, s, mask, 0.1)
+        attn_backward(torch.randn_like(out), q, k, v, s, out, lse, mask, 0.1)
+    bad = AttnMask(row_lo=torch.randint(-1000, 2000, (T,), device="cuda", dtype=torch.int32),
+                   row_hi=torch.randint(-1000, 2000, (T,), device="cuda", dtype=torch.int32))  # not monotone
+    out, lse = attn_forward(q, k, v, s, bad, 0.1)
+    attn_backward(torch.randn_like(out), q, k, v, s, out, lse, bad, 0.1)
 
 
 def initcheck_probe():
@@ -83,20 +114,20 @@ def mimo():
 
 
 if __name__ == "__main__":
-    parts = sys.argv[1:] or ["attention", "mimo"]
-    if "attention" in parts:
-        os.environ.update(NCP_SM90_FWD_GRID="3")  # a persistent forward grid walks many items per CTA
-        attention()  # default kernels (on sm_90: ping-pong forward on a persistent grid, atomic-dQ backward)
-        # serial persistent forward on a 3-stage ring, O copied out by the consumer threads,
-        # deterministic Hopper backward
-        os.environ.update(NCP_DETERMINISTIC="1", NCP_SM90_FWD_SCHED="serial", NCP_SM90_FWD_PERSIST="1", NCP_SM90_FWD_STAGES="3",
-                          NCP_SM90_FWD_OSTORE="0")  # fmt: skip
-        attention()
-        os.environ.update(NCP_FWD_VARIANT="3", NCP_BWD_VARIANT="1")  # the portable mma.sync kernels
-        attention()
-        for key in ("NCP_DETERMINISTIC", "NCP_SM90_FWD_SCHED", "NCP_SM90_FWD_PERSIST", "NCP_SM90_FWD_GRID",
-                    "NCP_SM90_FWD_STAGES", "NCP_SM90_FWD_OSTORE", "NCP_FWD_VARIANT", "NCP_BWD_VARIANT"):  # fmt: skip
-            del os.environ[key]
+    parts = sys.argv[1:] or ["attention", "malformed", "mimo"]
+    # every kernel family the dispatcher picks: the defaults (on sm_90: the persistent Hopper
+    # forward, the atomic-dQ backward) on a 3-CTA grid (many items per CTA), the deterministic
+    # Hopper backward with one CTA per forward item and whole tiles, and the portable kernels
+    hooks = ({"grid": 3}, {"grid": 1 << 30, "whole_tiles": True, "det": True}, {"portable": True, "det": True})
+    for h in hooks:
+        det = h.pop("det", False)
+        os.environ["NCP_DETERMINISTIC"] = "1" if det else "0"
+        with attn_debug(**h):
+            if "attention" in parts:
+                attention()
+            if "malformed" in parts:
+                malformed()
+    os.environ.pop("NCP_DETERMINISTIC")
     if "mimo" in parts:
         mimo()
     if "initprobe" in parts:

@@ -1,0 +1,435 @@
+"""Renders the tables of BENCHMARKS.md from the raw JSON files of the benchmarks, so that every
+figure on the page is copied by the machine, never by hand.
+
+The page holds generated blocks between marker comments that name their kind and sources:
+
+    <!-- BEGIN GENERATED attn benchmarks/results/2026-12-03_27498c3_attn.json -->
+    ...
+    <!-- END GENERATED attn -->
+
+kinds: ``attn`` (every case: ours against FlexAttention+sink and SDPA), ``attn-extra`` (our other
+rows: no sink, deterministic backward, A/B variants), ``mimo`` (one or more runs of
+bench_mimo_shard.py), ``flint`` (one or more runs of bench_flint.py).
+
+    # after a GPU run of benchmarks/gpu_run.sh: copy its JSON into benchmarks/results/ and re-render
+    python benchmarks/render_records.py --import $OUT [--prune]
+    # re-render from the sources the blocks name (or from other files: --attn/--mimo/--flint PATH)
+    python benchmarks/render_records.py
+    # check that the page matches its sources (tests/test_records.py runs this)
+    python benchmarks/render_records.py --check
+
+``--import DIR`` takes ``bench_attn.json``, ``bench_mimo.json`` and ``bench_flint.json`` from DIR,
+stores them as ``benchmarks/results/<date>_<commit>_<kind>.json``, points the ``attn`` and
+``attn-extra`` blocks at the new attention file, and replaces the ``mimo``/``flint`` source of the
+same machine kind (GPU or CPU). ``--prune`` deletes the files under benchmarks/results/ that the
+page no longer cites.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PAGE = os.path.join(ROOT, "BENCHMARKS.md")
+RESULTS = "benchmarks/results"
+BLOCK = re.compile(r"<!-- BEGIN GENERATED (\S+)((?: \S+)*) -->\n.*?<!-- END GENERATED \1 -->", re.S)
+BASELINES = ("ncp", "flex+sink", "sdpa(no sink)")
+LABELS = {"ncp": "ours", "flex+sink": "FlexAttention+sink", "sdpa(no sink)": "SDPA (no sink)",
+          "ncp-nosink": "ours, no sink", "ncp-deterministic": "ours, deterministic bwd"}  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------------------------
+
+
+def _read(path: str) -> dict:
+    with open(os.path.join(ROOT, path)) as f:
+        return json.load(f)
+
+
+def load_attn(path: str) -> dict:
+    """A bench_sink_attention.py JSON, normalized: methods (first = primary), cases in order with
+    their shapes, implementations in order, and t[(case, impl, method)] = dict(fwd, fb, fwd_ms,
+    fb_ms) in TFLOP/s and ms, or None for a row that failed."""
+    data = _read(path)
+    env, rows = data["env"], data["rows"]
+    legacy = "methods" not in env  # files written before the do_bench/queued split
+    if legacy:
+        methods = ["queued"] if any("queued" in (r.get("note") or "") for r in rows) else ["idle"]
+    else:
+        methods = list(env["methods"])
+    cases, impls, shape, t = [], [], {}, {}
+    for r in rows:
+        if r["case"] not in cases:
+            cases.append(r["case"])
+        if r["impl"] not in impls:
+            impls.append(r["impl"])
+        if "tokens" in r:
+            shape[r["case"]] = (r["tokens"], r["doc"], r["heads"], r["D"], r["window"])
+        for m in methods:
+            sfx = "_queued" if m == "queued" and not legacy else ""
+            ok = r.get("fwd_tflops" + sfx) is not None
+            t[r["case"], r["impl"], m] = dict(fwd=r["fwd_tflops" + sfx], fb=r.get("fwdbwd_tflops" + sfx),
+                                              fwd_ms=r["fwd_ms" + sfx], fb_ms=r.get("fwdbwd_ms" + sfx)) if ok else None  # fmt: skip
+    return dict(path=path, env=env, legacy=legacy, methods=methods, cases=cases, impls=impls, shape=shape, t=t)
+
+
+def method_text(a: dict, m: str) -> str:
+    if m == "do_bench":
+        return ("**do_bench**: each call as a user makes it (default arguments), on an idle GPU, L2 flushed "
+                "before every call, CUDA events, median")  # fmt: skip
+    if m == "queued":
+        text = ("**queued**: a GPU spin queued before every call and `validate=False`, so the host launches "
+                "while the GPU is busy and the events time the GPU work; CUDA events, median")  # fmt: skip
+        return text + ("; this run did not flush L2" if a["legacy"] else ", L2 flushed")
+    return "**idle**: CUDA events on an idle GPU, `validate=False`, no L2 flush, median"
+
+
+def _when(env: dict) -> str:
+    return env["date"].replace("T", " ")[:16] + " UTC"
+
+
+def _command(env: dict) -> str:
+    argv = re.sub(r" --json \S+", "", env.get("argv", ""))
+    return f"`python {argv}`" if argv else "(command not recorded)"
+
+
+def machine(env: dict, gpu: bool) -> str:
+    if gpu and env.get("gpu"):
+        return env["gpu"]
+    cores = f", {env['host_cpus']} cores" if env.get("host_cpus") else ""
+    return f"{env.get('cpu', 'CPU')} CPU{cores}" + (f" (host of {env['gpu']})" if env.get("gpu") else "")
+
+
+def source_line(path: str, env: dict, gpu: bool = True) -> str:
+    cuda = f", CUDA {env['cuda']}" if gpu and env.get("cuda") else ""
+    return (f"Source: `{path}`: {machine(env, gpu)}, torch {env['torch']}{cuda}, Python {env.get('python', '?')}, "
+            f"commit `{env['commit']}`, {_when(env)}; {_command(env)}.")  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention
+# ---------------------------------------------------------------------------------------------
+
+
+def _pair(x) -> str:
+    return "failed" if x is None else f"{x['fwd']} / {x['fb']}"
+
+
+def _ratio(a, b) -> str:
+    if a is None or b is None:
+        return "–"
+    return f"{a['fwd'] / b['fwd']:.2f}x / {a['fb'] / b['fb']:.2f}x"
+
+
+def _shape(a: dict, case: str) -> str:
+    if case not in a["shape"]:
+        return ""
+    tokens, doc, heads, d, window = a["shape"][case]
+    return f"{tokens // 1024}k, {doc // 1024}k docs, {heads}/{d}, " + (f"w{window}" if window else "causal")
+
+
+def render_attn(paths: list[str]) -> str:
+    a = load_attn(paths[0])
+    head, rule = ["case", "tokens, docs, Hq/Hkv/D, mask"], ["---", "---"]
+    for i, m in enumerate(a["methods"]):
+        tag = "" if i == 0 else f", {m}"
+        head += [LABELS[n] + tag for n in BASELINES] + [f"ours / Flex{tag}"]
+        rule += ["---:"] * (len(BASELINES) + 1)
+    out = ["| " + " | ".join(head) + " |", "|" + "|".join(rule) + "|"]
+    for c in a["cases"]:
+        cells = [c, _shape(a, c)]
+        for m in a["methods"]:
+            got = {n: a["t"].get((c, n, m), "n/a") for n in BASELINES}
+            cells += ["–" if got[n] == "n/a" else _pair(got[n]) for n in BASELINES]
+            flex = got["flex+sink"]
+            cells.append(_ratio(got["ncp"], None if flex == "n/a" else flex))
+        out.append("| " + " | ".join(cells) + " |")
+    primary = a["methods"][0]
+    out.append("")
+    which = "Columns without a suffix" if len(a["methods"]) > 1 else "Timing"
+    out.append(f"TFLOP/s, forward / forward+backward (bf16). {which}: {method_text(a, primary)}.")
+    for m in a["methods"][1:]:
+        out.append(f"Columns marked *{m}*: {method_text(a, m)}.")
+    if "do_bench" not in a["methods"]:
+        out.append("This run predates the do_bench timing, which `bench_sink_attention.py` now records by default "
+                   "beside the queued one.")  # fmt: skip
+    out.append(source_line(a["path"], a["env"]))
+    return "\n".join(out)
+
+
+def render_attn_extra(paths: list[str]) -> str:
+    a = load_attn(paths[0])
+    m = a["methods"][0]
+    others = [n for n in a["impls"] if n not in BASELINES]
+    head = ["case", "ours"] + [LABELS.get(n, n) for n in others]
+    if "ncp-nosink" in others:
+        head.append("sink cost, fwd / fwd+bwd time")
+    if "ncp-deterministic" in others:
+        head.append("deterministic cost, fwd+bwd time")
+    out = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+    for c in a["cases"]:
+        ours = a["t"].get((c, "ncp", m))
+        row = [c, _pair(ours)] + [_pair(a["t"].get((c, n, m))) for n in others]
+        nosink, det = a["t"].get((c, "ncp-nosink", m)), a["t"].get((c, "ncp-deterministic", m))
+        if "ncp-nosink" in others:
+            row.append("–" if not (ours and nosink) else
+                       f"{100 * (ours['fwd_ms'] / nosink['fwd_ms'] - 1):+.1f}% / {100 * (ours['fb_ms'] / nosink['fb_ms'] - 1):+.1f}%")  # fmt: skip
+        if "ncp-deterministic" in others:
+            row.append("–" if not (ours and det) else f"{100 * (det['fb_ms'] / ours['fb_ms'] - 1):+.1f}%")
+        out.append("| " + " | ".join(row) + " |")
+    out.append("")
+    out.append(f"TFLOP/s, forward / forward+backward, {m} timing, same run as the table above; costs are "
+               "time against the row they modify. " + source_line(a["path"], a["env"]))  # fmt: skip
+    return "\n".join(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# MiMo sharder, Flint plans
+# ---------------------------------------------------------------------------------------------
+
+
+def _ms(row, syncs=True) -> str:
+    if row is None:
+        return "–"
+    s = row.get("syncs")
+    return f"{row['ms']:.3f}" + (f" ({s} sync{'s' if s != 1 else ''})" if syncs and s is not None else "")
+
+
+def render_mimo(paths: list[str]) -> str:
+    head = ["machine", "case", "native ms", "native, `seq_lens` on CPU", "torch ops + native TE partition",
+            "native speedup over it", "torch ops + Python TE oracle", "fused gather pass alone"]  # fmt: skip
+    out = ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 2)]
+    sources, any_gpu = [], False
+    for path in paths:
+        data = _read(path)
+        gpu = data.get("device") == "cuda"
+        cases = []
+        for r in data["rows"]:
+            if r["case"] not in cases:
+                cases.append(r["case"])
+        by = {(r["case"], r["impl"]): r for r in data["rows"]}
+        for c in cases:
+            nat, fast = by.get((c, "native")), by.get((c, "ref(fastTE)"))
+            ratio = f"{fast['ms'] / nat['ms']:.1f}x" if nat and fast else "–"
+            pass_ = f"{nat['pass_ms']} ms, {nat['pass_GB/s']} GB/s" if nat and "pass_ms" in nat else "–"
+            out.append("| " + " | ".join([machine(data["env"], gpu), c, _ms(nat), _ms(by.get((c, "native(metaCPU)"))),
+                                          _ms(fast), ratio, _ms(by.get((c, "ref(pyTE)"))), pass_]) + " |")  # fmt: skip
+        sources.append(source_line(path, data["env"], gpu))
+        any_gpu = any_gpu or gpu
+    out.append("")
+    out.append("Wall-clock ms per call, median (on a GPU, with a device sync after each call); host syncs per "
+               "call in parentheses. Case: B rows of S tokens, C pipeline chunks, cp size, rank.")  # fmt: skip
+    out += sources
+    if not any_gpu:
+        out.append("No GPU run of this benchmark is recorded yet (`gpu_run.sh mimo`, then `--import`).")
+    return "\n".join(out)
+
+
+def render_flint(paths: list[str]) -> str:
+    out = ["| machine | tokens | cp | documents | native C plan µs | Python MinHeap solver µs | speedup |",
+           "|---|---:|---:|---|---:|---:|---:|"]  # fmt: skip
+    runs = [(p, _read(p)) for p in paths]
+    for path, data in runs:
+        for r in data["plan"]:
+            docs = "one document" if r["docs"] == "one" else (
+                f"{r['n_docs']} x {int(r['docs'][6:]) // 1024}k" if r["docs"].startswith("equal:") else
+                f"{r['n_docs']} random (mean 4k)")  # fmt: skip
+            out.append(f"| {machine(data['env'], False)} | {r['T']} | {r['cp']} | {docs} | {r['c_plan_us']} | "
+                       f"{r['py_solver_us']} | {r['speedup']}x |")  # fmt: skip
+    out += ["", "K/V each rank receives per layer (bf16 K and V, Hkv = 4, D = 128), against an all-gather:", "",
+            "| tokens | cp | documents | window | max rank MB | mean rank MB | all-gather MB | fraction |",
+            "|---:|---:|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for r in runs[-1][1]["volume"]:
+        out.append(f"| {r['T']} | {r['cp']} | {r['docs']} | {r['window'] or 'causal'} | {r['max_recv_MB']} | "
+                   f"{r['mean_recv_MB']} | {r['allgather_MB']} | {r['fraction_of_allgather']} |")  # fmt: skip
+    sim = [(p, d) for p, d in runs if d.get("simulated")]
+    if sim:
+        out += ["", "Simulated ranks on one GPU (each rank's kernels on its local queries against local and received "
+                "keys), TFLOP/s with that rank's exact visible pairs:", "",
+                "| tokens | cp | doc | window | per-rank fwd min/mean | per-rank fwd+bwd min/mean | "
+                "whole sequence fwd | load balance (max/mean pairs) |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+        for r in sim[-1][1]["simulated"]:
+            out.append(f"| {r['T']} | {r['cp']} | {r['doc']} | {r['window'] or 'causal'} | "
+                       f"{r['rank_fwd_tflops_min/mean']} | {r['rank_fwdbwd_tflops_min/mean']} | "
+                       f"{r['whole_seq_fwd_tflops']} | {r['cp_load_balance']} |")  # fmt: skip
+    out.append("")
+    out += [source_line(p, d["env"], bool(d.get("simulated"))) for p, d in runs]
+    if not sim:
+        out.append("Simulated ranks need a GPU; no GPU run of this benchmark is recorded yet (`gpu_run.sh flint`, "
+                   "then `--import`).")  # fmt: skip
+    return "\n".join(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tried and lost: alternatives measured against the default of their day, in the same run
+# ---------------------------------------------------------------------------------------------
+
+_R = "benchmarks/results/2026-12-0"
+# (what, how it was selected, metric, [(file, row, the row it is compared with)])
+TRIED = [
+    ("Serial forward schedule", "`NCP_SM90_FWD_SCHED=serial`", "fwd",
+     [(_R + "2_2972be1_attn.json", "ncp-fwd-serial", "ncp-fwd-pingpong")]),
+    ("3-stage K/V ring", "`NCP_SM90_FWD_STAGES=3`", "fwd",
+     [(_R + "2_2972be1_attn.json", "ncp-fwd-3stages", "ncp-fwd-pingpong")]),
+    ("One CTA per work item instead of a persistent grid", "`NCP_SM90_FWD_PERSIST=0`", "fwd",
+     [(_R + "2_2972be1_attn.json", "ncp-fwd-per-item", "ncp-fwd-persistent"),
+      (_R + "2_768e886_attn_6cases.json", "ncp-fwd-per-item", "ncp")]),
+    ("Scores scaled before the softmax (scale not folded into the exponent)", "`NCP_SM90_FWD_FOLD=0`", "fwd",
+     [(_R + "2_3ac3d1e_attn_ab.json", "ncp-fwd-nofold", "ncp"),
+      (_R + "2_2972be1_attn.json", "ncp-fwd-nofold", "ncp-fwd-pingpong")]),
+    ("O copied out by the consumer threads (no TMA store)", "`NCP_SM90_FWD_OSTORE=0`", "fwd",
+     [(_R + "2_3ac3d1e_attn_ab.json", "ncp-fwd-thread-store", "ncp"),
+      (_R + "2_fb7bcfc_attn_ab.json", "ncp-fwd-thread-store", "ncp")]),
+    ("O's TMA store issued only when its Q buffer is needed again", "`NCP_SM90_FWD_EAGER_STORE=0`", "fwd",
+     [(_R + "2_fb7bcfc_attn_ab.json", "ncp-fwd-late-store", "ncp")]),
+    ("O rescaled on every tile (not only where a row maximum changed)", "`NCP_SM90_FWD_LAZY=0`", "fwd",
+     [(_R + "2_3ac3d1e_attn_ab.json", "ncp-fwd-eager-rescale", "ncp"),
+      (_R + "2_2972be1_attn.json", "ncp-fwd-eager-rescale", "ncp-fwd-pingpong")]),
+    ("Whole edge tiles (no 64-key half tiles)", "`NCP_SM90_FWD_HALF=0`", "fwd",
+     [(_R + "3_27498c3_attn_early_queued.json", "ncp-fwd-nohalf", "ncp"),
+      (_R + "3_8ee708e_attn_half.json", "ncp-fwd-nohalf", "ncp")]),
+    ("Next item's first S issued with the last P V when its loads are in", "`NCP_SM90_FWD_EARLY=1`", "fwd",
+     [(_R + "3_27498c3_attn_early_queued.json", "ncp-fwd-early", "ncp")]),
+    ("Next item's first S issued during the epilogue, unconditionally", "removed", "fwd",
+     [(_R + "2_3ac3d1e_attn_ab.json", "ncp-fwd-early", "ncp")]),
+    ("An item's last P V carried into the next item's first turn", "removed", "fwd",
+     [(_R + "2_0e3a5b5_attn_ab.json", "ncp", "ncp-fwd-nocarry")]),
+    ("Softmax/MMA overlap inside a warpgroup (forward)", "`NCP_SM90_FWD_OVERLAP=1`, removed", "fwd",
+     [(_R + "2_9b195b0_attn.json", "ncp-sm90-overlap", "ncp")]),
+    ("Atomic dQ by per-thread reductions instead of bulk reductions", "`NCP_SM90_DQ=red`", "fb",
+     [(_R + "2_2972be1_attn.json", "ncp-sm90-dq-red", "ncp-fwd-pingpong")]),
+    ("Deterministic dK/dV with MMA overlap", "`NCP_SM90_BWD_OVERLAP=1`", "fb",
+     [(_R + "2_2972be1_attn.json", "ncp-sm90-bwd-overlap", "ncp-deterministic")]),
+]  # fmt: skip
+
+
+def _short(path: str) -> str:
+    return path.split("_")[1]  # the commit
+
+
+def render_tried(paths: list[str]) -> str:
+    """One line per alternative: the change of its TFLOP/s against the row it was compared with,
+    over every case of its runs, and every case where it was faster."""
+    out = []
+    for what, how, metric, runs in TRIED:
+        changes = []  # (percent, case, commit)
+        for path, row, base in runs:
+            a = load_attn(path)
+            m = a["methods"][0]
+            for c in a["cases"]:
+                x, y = a["t"].get((c, row, m)), a["t"].get((c, base, m))
+                if x and y:
+                    changes.append((100 * (x[metric] / y[metric] - 1), c, _short(path)))
+        lo, hi = min(changes), max(changes)
+        commits = ", ".join(f"`{_short(p)}`" for p, _, _ in runs)
+        line = (f"- {what}, {how}: {'forward' if metric == 'fwd' else 'forward+backward'} {lo[0]:+.1f}% ({lo[1]}) "
+                f"to {hi[0]:+.1f}% ({hi[1]}); {len(changes)} cases, run{'s' if len(runs) > 1 else ''} {commits}")  # fmt: skip
+        wins = [f"{c} ({p:+.1f}%, `{k}`)" for p, c, k in changes if p > 1.0]
+        out.append(line + (f"; faster on {', '.join(wins)}" if wins else "") + ".")
+    return "\n".join(out)
+
+
+def tried_sources() -> list[str]:
+    return sorted({p for *_, runs in TRIED for p, _, _ in runs})
+
+
+RENDER = {"attn": render_attn, "attn-extra": render_attn_extra, "mimo": render_mimo, "flint": render_flint,
+          "tried": render_tried}  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# The page
+# ---------------------------------------------------------------------------------------------
+
+
+def blocks(page: str) -> list[tuple[str, list[str]]]:
+    """(kind, sources) of every generated block, in page order."""
+    return [(m.group(1), m.group(2).split()) for m in BLOCK.finditer(page)]
+
+
+def render_page(page: str, sources: dict | None = None) -> str:
+    """The page with every block re-rendered; ``sources`` maps a kind to new source paths."""
+    sources = sources or {}
+
+    def sub(m):
+        kind = m.group(1)
+        paths = tried_sources() if kind == "tried" else sources.get(kind, m.group(2).split())
+        if kind not in RENDER:
+            raise SystemExit(f"render_records: unknown block kind {kind!r}")
+        body = RENDER[kind](paths)
+        return f"<!-- BEGIN GENERATED {kind} {' '.join(paths)} -->\n{body}\n<!-- END GENERATED {kind} -->"
+
+    return BLOCK.sub(sub, page)
+
+
+def _is_gpu_run(kind: str, path: str) -> bool:
+    data = _read(path)
+    return data.get("device") == "cuda" if kind == "mimo" else bool(data.get("simulated"))
+
+
+def import_run(directory: str, page: str) -> dict:
+    """Copies DIR/bench_{attn,mimo,flint}.json into benchmarks/results/; the new sources per kind."""
+    current = dict(blocks(page))
+    new = {}
+    for kind, name in (("attn", "bench_attn.json"), ("mimo", "bench_mimo.json"), ("flint", "bench_flint.json")):
+        src = os.path.join(directory, name)
+        if not os.path.exists(src):
+            continue
+        with open(src) as f:
+            env = json.load(f)["env"]
+        dest = f"{RESULTS}/{env['date'][:10]}_{env['commit']}_{kind}.json"
+        shutil.copyfile(src, os.path.join(ROOT, dest))
+        print(f"render_records: {src} -> {dest}")
+        if kind == "attn":
+            new["attn"] = new["attn-extra"] = [dest]
+        else:  # replace the source of the same machine kind, keep the other
+            gpu = _is_gpu_run(kind, dest)
+            new[kind] = [p for p in current.get(kind, []) if _is_gpu_run(kind, p) != gpu] + [dest]
+    return new
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--import", dest="run_dir", default=None, help="a gpu_run.sh output folder ($OUT)")
+    ap.add_argument("--attn", default=None, help="attention JSON for the attn and attn-extra blocks")
+    ap.add_argument("--mimo", action="append", default=None, help="MiMo JSON (repeat for several machines)")
+    ap.add_argument("--flint", action="append", default=None, help="Flint JSON (repeat for several machines)")
+    ap.add_argument("--check", action="store_true", help="exit 1 if the page differs from its sources")
+    ap.add_argument("--prune", action="store_true", help="delete results files the page no longer cites")
+    ap.add_argument("--page", default=PAGE)
+    args = ap.parse_args(argv)
+    with open(args.page) as f:
+        page = f.read()
+    if args.check:
+        if render_page(page) != page:
+            print(f"render_records: {args.page} differs from its sources; run python benchmarks/render_records.py")
+            return 1
+        return 0
+    sources = import_run(args.run_dir, page) if args.run_dir else {}
+    if args.attn:
+        sources["attn"] = sources["attn-extra"] = [args.attn]
+    for kind in ("mimo", "flint"):
+        if getattr(args, kind):
+            sources[kind] = getattr(args, kind)
+    page = render_page(page, sources)
+    with open(args.page, "w") as f:
+        f.write(page)
+    cited = {p for _, paths in blocks(page) for p in paths}
+    stale = sorted(f"{RESULTS}/{n}" for n in os.listdir(os.path.join(ROOT, RESULTS))
+                   if f"{RESULTS}/{n}" not in cited and f"{RESULTS}/{n}" not in page)  # fmt: skip
+    for path in stale:
+        if args.prune:
+            os.remove(os.path.join(ROOT, path))
+        print(f"render_records: {'removed' if args.prune else 'not cited by the page'}: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
