@@ -10,8 +10,11 @@
 #   OUT=/tmp/out NCP_COMMIT=<sha> bash benchmarks/gpu_run.sh [stage ...]
 # Set NCP_COMMIT from the machine that holds the repository: the device tool's copy of .git can be
 # stale, so `git rev-parse` run there may name an older commit than the tree it copied.
-# stages: build test sanitize probe profile kernels attn mimo flint demo all (default: all; probe: the
+# stages: build baseline test sanitize probe profile kernels attn ab mimo flint demo all (default: all; probe: the
 # racecheck mbarrier probe, profile: Nsight Compute on the Hopper forward, PROF_CASES, PROF_ENV;
+# neither is part of all; baseline builds the tree in .baseline/ (carry it: an older commit's source,
+# e.g. `git archive c355efb csrc nemo_cp_native setup.py pyproject.toml | tar -x -C .baseline`) beside
+# the main build, and ab times both builds round robin with benchmarks/ab_attention.py, AB_ARGS;
 # neither is part of all). Test, sanitizer,
 # attention and demo stages run under `timeout` (TEST_TIMEOUT, SAN_TIMEOUT, ATTN_TIMEOUT, DEMO_TIMEOUT seconds). Each stage appends its
 # headline to summary.txt; a failing stage is reported and the next one still runs.
@@ -29,6 +32,12 @@ want() { [[ " $STAGES " == *" all "* || " $STAGES " == *" $1 "* ]]; }
 note "commit $NCP_COMMIT stages: $STAGES"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv,noheader >> "$SUM" 2>&1
 
+if [[ " $STAGES " == *" baseline "* ]]; then  # built in the background, beside the main build
+  ( cd .baseline && rm -f nemo_cp_native/_C*.so && NCP_FORCE_CUDA=1 NCP_NVCC_JOBS=8 $PY setup.py build_ext --inplace \
+      > "$OUT/baseline_build.log" 2>&1 ) &
+  BASELINE_PID=$!
+fi
+
 if want build || [ ! -e nemo_cp_native/_C*.so ] || ! ls nemo_cp_native/_C*cpython-3*.so >/dev/null 2>&1; then
   rm -f nemo_cp_native/_C*.so
   if ! NCP_FORCE_CUDA=1 NCP_PTXAS_VERBOSE=1 NCP_NVCC_JOBS=16 $PY setup.py build_ext --inplace > "$OUT/build.log" 2>&1 \
@@ -45,6 +54,11 @@ if want build || [ ! -e nemo_cp_native/_C*.so ] || ! ls nemo_cp_native/_C*cpytho
     cuobjdump --dump-sass "$so" | awk '/Function :/{f=$3} /HGMMA/{g[f]++} /HMMA/{h[f]++} END{for(k in h) print "HMMA", h[k], k; for(k in g) print "HGMMA", g[k], k}';
     echo "== local memory (LDL/STL) per kernel";
     cuobjdump --dump-sass "$so" | awk '/Function :/{f=$3} /LDL|STL/{l[f]++} END{for(k in l) print l[k], k}'; } > "$OUT/sass.txt" 2>&1
+fi
+
+if [[ " $STAGES " == *" baseline "* ]]; then
+  wait $BASELINE_PID && note "baseline build ok" || { note "BASELINE BUILD FAILED"; tail -30 "$OUT/baseline_build.log"; }
+  cat "$OUT/baseline_build.log" >> "$OUT/build.log"; rm -f "$OUT/baseline_build.log"
 fi
 
 if want test; then
@@ -90,6 +104,11 @@ fi
 if want attn; then
   timeout ${ATTN_TIMEOUT:-500} $PY benchmarks/bench_sink_attention.py ${ATTN_ARGS:-} --json "$OUT/bench_attn.json" >> "$SUM" 2>&1
   note "bench_sink_attention exit $?"
+fi
+
+if [[ " $STAGES " == *" ab "* ]]; then
+  timeout ${AB_TIMEOUT:-500} $PY benchmarks/ab_attention.py --a .baseline --b . ${AB_ARGS:-} --json "$OUT/ab_attn.json" >> "$SUM" 2>&1
+  note "ab_attention (A = .baseline, B = this tree) exit $?"
 fi
 
 if want mimo; then
