@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import _compat
-from ._ops import _C, dl
+from ._ops import _C, dl, stream_of
 from .attention import AttnMask, SinkAttnFunc, attn_backward, attn_forward
 
 logger = logging.getLogger(__name__)
@@ -44,7 +44,7 @@ __all__ = [
 ]
 
 DEFAULT_CHUNK_SIZE = 512
-_MASK_FIELDS = ("q_lo", "row_lo", "row_hi")
+_MASK_FIELDS = ("q_lo", "row_lo", "row_hi", "ret_off", "ret_idx")
 
 
 def _i32(buf) -> Tensor:
@@ -120,10 +120,8 @@ class MagiAttentionKey:
             mask = AttnMask(row_lo=to(self.mask_host["row_lo"]), row_hi=to(self.mask_host["row_hi"]))
             self._cache[key] = {
                 "mask": mask,
-                "send_idx": to(self.send_idx.long()),
-                "kv_src": to(self.kv_src.long()),
-                "local_slot": to(self.local_slot.long()),
-                "recv_slot": to(self.recv_slot.long()),
+                **{name: to(getattr(self, name)) for name in ("send_idx", "kv_src", "local_slot", "recv_slot")},
+                **{name: to(self.mask_host[name]) for name in ("ret_off", "ret_idx")},
                 "_pinned": keep,
             }
         return self._cache[key]
@@ -134,32 +132,42 @@ class MagiAttentionKey:
 # ------------------------------------------------------------------------------------------
 
 
-def _pack_send(mkey: MagiAttentionKey, kv: Tensor) -> Tensor:
-    """Rows this rank sends, grouped by destination ([sum(send_counts), Hkv, 2D])."""
-    return kv.index_select(0, mkey.device_tables(kv.device)["send_idx"])
+def _send_rows(mkey: MagiAttentionKey, k: Tensor, v: Tensor) -> Tensor:
+    """Rows this rank sends, grouped by destination: ``[sum(send_counts), Hkv, 2D]`` = [k | v]."""
+    t = mkey.device_tables(k.device)
+    out = k.new_empty((t["send_idx"].shape[0], k.shape[1], 2 * k.shape[2]))
+    _C.kv_gather(a=dl(k), b=dl(v), idx=dl(t["send_idx"]), out=dl(out), stream=stream_of(k.device))
+    return out
 
 
-def _assemble(mkey: MagiAttentionKey, kv_local: Tensor, kv_recv: Tensor) -> Tensor:
-    """The K/V buffer sorted by global position: local rows and received rows interleaved."""
-    return torch.cat([kv_local, kv_recv]).index_select(0, mkey.device_tables(kv_local.device)["kv_src"])
+def _kv_buffer(mkey: MagiAttentionKey, k: Tensor, v: Tensor, recv: Tensor) -> tuple[Tensor, Tensor]:
+    """The K/V buffer sorted by global position, from the local rows and the received ones."""
+    t = mkey.device_tables(k.device)
+    n = t["kv_src"].shape[0]
+    kbuf, vbuf = k.new_empty((n,) + tuple(k.shape[1:])), v.new_empty((n,) + tuple(v.shape[1:]))
+    _C.kv_assemble(k=dl(k), v=dl(v), recv=dl(recv), slot_src=dl(t["kv_src"]), kbuf=dl(kbuf), vbuf=dl(vbuf),
+                   stream=stream_of(k.device))  # fmt: skip
+    return kbuf, vbuf
 
 
-def _split_grads(mkey: MagiAttentionKey, dkv_buf: Tensor) -> tuple[Tensor, Tensor]:
-    """(gradients of local rows, gradients of received rows grouped by their owner)."""
-    t = mkey.device_tables(dkv_buf.device)
-    return dkv_buf.index_select(0, t["local_slot"]), dkv_buf.index_select(0, t["recv_slot"])
+def _returned_rows(mkey: MagiAttentionKey, dkbuf: Tensor, dvbuf: Tensor) -> Tensor:
+    """Gradients of the received rows, grouped by their owner: ``[sum(recv_counts), Hkv, 2D]``."""
+    t = mkey.device_tables(dkbuf.device)
+    out = dkbuf.new_empty((t["recv_slot"].shape[0], dkbuf.shape[1], 2 * dkbuf.shape[2]))
+    _C.kv_gather(a=dl(dkbuf), b=dl(dvbuf), idx=dl(t["recv_slot"]), out=dl(out), stream=stream_of(dkbuf.device))
+    return out
 
 
-def _sum_returned(mkey: MagiAttentionKey, d_local: Tensor, d_back: Tensor) -> Tensor:
-    """Adds the gradients other ranks computed for our rows, in rank order, in fp32."""
-    acc = d_local.float()
-    idx = mkey.device_tables(d_local.device)["send_idx"]
-    start = 0
-    for n in mkey.send_counts:  # unique rows within one source: deterministic index_add
-        if n:
-            acc.index_add_(0, idx[start : start + n], d_back[start : start + n].float())
-        start += n
-    return acc.to(d_local.dtype)
+def _local_grads(mkey: MagiAttentionKey, dkbuf: Tensor, dvbuf: Tensor, back: Tensor) -> tuple[Tensor, Tensor]:
+    """dK, dV of the local rows: their buffer gradients plus what other ranks returned for them,
+    summed in fp32 in rank order (bitwise repeatable)."""
+    t = mkey.device_tables(dkbuf.device)
+    L = t["local_slot"].shape[0]
+    dk, dv = dkbuf.new_empty((L,) + tuple(dkbuf.shape[1:])), dvbuf.new_empty((L,) + tuple(dvbuf.shape[1:]))
+    _C.kv_grad_sum(dkbuf=dl(dkbuf), dvbuf=dl(dvbuf), local_slot=dl(t["local_slot"]), back=dl(back),
+                   ret_off=dl(t["ret_off"]), ret_idx=dl(t["ret_idx"]), dk=dl(dk), dv=dl(dv),
+                   stream=stream_of(dkbuf.device))  # fmt: skip
+    return dk, dv
 
 
 def _all_to_all(group, send: Tensor, send_counts, recv_counts) -> Tensor:
@@ -169,13 +177,14 @@ def _all_to_all(group, send: Tensor, send_counts, recv_counts) -> Tensor:
 
 
 class _FlintCPAttention(torch.autograd.Function):
+    """One rank's step: send rows, all-to-all, the sorted K/V buffer, the attention kernels with the
+    plan's row bounds; backward: the kernels, the received rows' gradients back to their owners,
+    and the sum of what came back."""
+
     @staticmethod
     def forward(ctx, q, k, v, sink, mkey: MagiAttentionKey, scale: float):
-        D = k.shape[-1]
-        kv = torch.cat([k, v], dim=-1)
-        recv = _all_to_all(mkey.group, _pack_send(mkey, kv), mkey.send_counts, mkey.recv_counts)
-        buf = _assemble(mkey, kv, recv)
-        kbuf, vbuf = buf[..., :D].contiguous(), buf[..., D:].contiguous()
+        recv = _all_to_all(mkey.group, _send_rows(mkey, k, v), mkey.send_counts, mkey.recv_counts)
+        kbuf, vbuf = _kv_buffer(mkey, k, v, recv)
         mask = mkey.device_tables(q.device)["mask"]
         out, lse = attn_forward(q, kbuf, vbuf, sink, mask, scale)
         ctx.save_for_backward(q, kbuf, vbuf, out, lse, sink)
@@ -187,12 +196,10 @@ class _FlintCPAttention(torch.autograd.Function):
         q, kbuf, vbuf, out, lse, sink = ctx.saved_tensors
         mkey = ctx.mkey
         mask = mkey.device_tables(q.device)["mask"]
-        dq, dk, dv, dsink = attn_backward(dout, q, kbuf, vbuf, sink, out, lse, mask, ctx.scale)
-        d_local, d_remote = _split_grads(mkey, torch.cat([dk, dv], dim=-1))
-        d_back = _all_to_all(mkey.group, d_remote, mkey.recv_counts, mkey.send_counts)
-        d_local = _sum_returned(mkey, d_local, d_back)
-        D = dk.shape[-1]
-        return dq, d_local[..., :D], d_local[..., D:], dsink, None, None
+        dq, dkbuf, dvbuf, dsink = attn_backward(dout, q, kbuf, vbuf, sink, out, lse, mask, ctx.scale)
+        back = _all_to_all(mkey.group, _returned_rows(mkey, dkbuf, dvbuf), mkey.recv_counts, mkey.send_counts)
+        dk, dv = _local_grads(mkey, dkbuf, dvbuf, back)
+        return dq, dk, dv, dsink, None, None
 
 
 # ------------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from nemo_cp_native import flint, testing
+from nemo_cp_native._ops import _C, dl
 from nemo_cp_native.reference import cp_attention as rcp
 from nemo_cp_native.reference import magi as rmagi
 from nemo_cp_native.testing import doc_lengths, make_attention_case, pack_documents
@@ -379,3 +380,52 @@ def test_simulated_cp_matches_whole_sequence_oracle(cp, ncp_seed):
         p_sink = torch.exp(c["sink"].double()[:, None] - ref.lse)  # [Hq, T]
         budget = (p_sink * (dout.double() * ref.out).abs().sum(-1).T).sum(1)  # sum of |terms|
         assert torch.all((total - ref.dsink).abs() <= 1e-5 * budget + 1e-7), (w, total, ref.dsink)
+
+
+# ============================================================================ 6. the rank step's exchange ops
+
+
+def test_returned_rows_table_is_the_inverse_of_send_idx():
+    cu = pack_documents([700, 33, 1200, 90])
+    for plan in all_plans(cu, 4, config(window=129, chunk=64)):
+        for k in plan.keys.values():
+            off, idx = k.mask_host["ret_off"].tolist(), k.mask_host["ret_idx"].tolist()
+            send = k.send_idx.tolist()
+            assert len(off) == k.num_local_tokens + 1 and off[0] == 0 and off[-1] == len(send) == len(idx)
+            for i in range(k.num_local_tokens):
+                js = idx[off[i] : off[i + 1]]
+                assert js == sorted(js) and all(send[j] == i for j in js)
+            assert sorted(idx) == list(range(len(send)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_exchange_ops_on_the_cpu(dtype):
+    """kv_gather, kv_assemble and kv_grad_sum against torch indexing; out-of-range indices read zeros."""
+    g = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(10, 3, 8, generator=g).to(dtype) for _ in range(2))
+    idx = torch.tensor([4, 0, 9, -1, 10], dtype=torch.int32)
+    out = torch.empty(5, 3, 16, dtype=dtype)
+    _C.kv_gather(a=dl(k), b=dl(v), idx=dl(idx), out=dl(out))
+    want = torch.cat([k, v], -1)[idx.clamp(0, 9).long()]
+    want[3:] = 0
+    assert torch.equal(out, want)
+    recv = torch.randn(4, 3, 16, generator=g).to(dtype)
+    src = torch.tensor([10, 0, 13, 5, 11, 14, -2], dtype=torch.int32)
+    kb, vb = torch.empty(7, 3, 8, dtype=dtype), torch.empty(7, 3, 8, dtype=dtype)
+    _C.kv_assemble(k=dl(k), v=dl(v), recv=dl(recv), slot_src=dl(src), kbuf=dl(kb), vbuf=dl(vb))
+    allkv = torch.cat([torch.cat([k, v], -1), recv, torch.zeros(1, 3, 16, dtype=dtype)])
+    sel = allkv[torch.tensor([10, 0, 13, 5, 11, 14, 14])]
+    assert torch.equal(kb, sel[..., :8]) and torch.equal(vb, sel[..., 8:])
+    back = torch.randn(5, 3, 16, generator=g).to(dtype)
+    slot = torch.tensor([2, 0, 6], dtype=torch.int32)
+    off, ridx = torch.tensor([0, 2, 2, 5], dtype=torch.int32), torch.tensor([1, 4, 0, 2, 3], dtype=torch.int32)
+    dk, dv = torch.empty(3, 3, 8, dtype=dtype), torch.empty(3, 3, 8, dtype=dtype)
+    _C.kv_grad_sum(dkbuf=dl(kb), dvbuf=dl(vb), local_slot=dl(slot), back=dl(back), ret_off=dl(off), ret_idx=dl(ridx),
+                   dk=dl(dk), dv=dl(dv))  # fmt: skip
+    buf = torch.cat([kb, vb], -1).double()
+    want = torch.stack([buf[2] + back[1].double() + back[4].double(), buf[0],
+                        buf[6] + back[0].double() + back[2].double() + back[3].double()]).to(dtype)  # fmt: skip
+    assert torch.equal(dk, want[..., :8]) and torch.equal(dv, want[..., 8:])
+    with pytest.raises(ValueError, match="ret_off must have"):
+        _C.kv_grad_sum(dkbuf=dl(kb), dvbuf=dl(vb), local_slot=dl(slot), back=dl(back), ret_off=dl(off[:3]),
+                       ret_idx=dl(ridx), dk=dl(dk), dv=dl(dv))  # fmt: skip

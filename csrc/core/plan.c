@@ -132,6 +132,15 @@ static ncp_status build_window(const plan_ctx *x, const int32_t *local_pos, int3
     }
     pw->send_idx = vec_take(&send);
     pw->recv_pos = vec_take(&recv);
+    /* ret_off / ret_idx: for each local row, the positions in send_idx (so in the gradients other
+     * ranks return) of its copies, ascending (rank order): a counting sort by row. */
+    NCP_TRY(alloc_array(&pw->ret_off, (int64_t)L + 1));
+    NCP_TRY(alloc_array(&pw->ret_idx, pw->send_idx.n));
+    for (int32_t j = 0; j < pw->send_idx.n; ++j) pw->ret_off.data[pw->send_idx.data[j] + 1]++;
+    for (int32_t i = 0; i < L; ++i) pw->ret_off.data[i + 1] += pw->ret_off.data[i];
+    for (int32_t j = 0; j < pw->send_idx.n; ++j) pw->ret_idx.data[pw->ret_off.data[pw->send_idx.data[j]]++] = j;
+    for (int32_t i = L; i > 0; --i) pw->ret_off.data[i] = pw->ret_off.data[i - 1]; /* undo the fill's shift */
+    pw->ret_off.data[0] = 0;
 
     /* K/V buffer: local and received rows sorted by global position. */
     const int32_t R = pw->recv_pos.n, Lkv = L + R;
@@ -259,7 +268,8 @@ void ncp_plan_free(ncp_plan *plan) {
         ncp_plan_window *pw = &plan->windows[w];
         ncp_i32_array *arrays[] = {&pw->send_counts, &pw->recv_counts, &pw->send_idx, &pw->recv_pos,
                                    &pw->kv_pos,      &pw->kv_src,      &pw->local_slot, &pw->recv_slot,
-                                   &pw->q_lo,        &pw->row_lo,      &pw->row_hi};
+                                   &pw->q_lo,        &pw->row_lo,      &pw->row_hi,   &pw->ret_off,
+                                   &pw->ret_idx};
         for (size_t i = 0; i < sizeof arrays / sizeof arrays[0]; ++i) free_array(arrays[i]);
     }
     free(plan->windows);

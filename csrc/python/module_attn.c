@@ -281,7 +281,8 @@ static PyObject *window_dict(const ncp_plan_window *w) {
     } arrays[] = {{"send_counts", &w->send_counts}, {"recv_counts", &w->recv_counts}, {"send_idx", &w->send_idx},
                   {"recv_pos", &w->recv_pos},       {"kv_pos", &w->kv_pos},           {"kv_src", &w->kv_src},
                   {"local_slot", &w->local_slot},   {"recv_slot", &w->recv_slot},     {"q_lo", &w->q_lo},
-                  {"row_lo", &w->row_lo},           {"row_hi", &w->row_hi}};
+                  {"row_lo", &w->row_lo},           {"row_hi", &w->row_hi},           {"ret_off", &w->ret_off},
+                  {"ret_idx", &w->ret_idx}};
     for (size_t i = 0; rc == 0 && i < sizeof arrays / sizeof arrays[0]; ++i) rc = put_array(d, arrays[i].k, arrays[i].a);
     if (rc != 0) {
         Py_DECREF(d);

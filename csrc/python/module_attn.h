@@ -1,6 +1,6 @@
 /*
- * module_attn.h: the _C functions of module_attn.c (sink attention, Magi plans) and their method
- * table entries, which module.c puts in the module's table.
+ * module_attn.h: the _C functions of module_attn.c (sink attention, Magi plans) and module_cp.c (the
+ * CP rank step) and their method table entries, which module.c puts in the module's table.
  */
 #ifndef NCP_MODULE_ATTN_H
 #define NCP_MODULE_ATTN_H
@@ -17,6 +17,10 @@ PyObject *ncp_py_attn_debug(PyObject *m, PyObject *const *args, Py_ssize_t nargs
 PyObject *ncp_py_magi_geometry(PyObject *m, PyObject *const *args, Py_ssize_t nargs);
 PyObject *ncp_py_magi_dispatch(PyObject *m, PyObject *const *args, Py_ssize_t nargs);
 PyObject *ncp_py_plan_build(PyObject *m, PyObject *const *args, Py_ssize_t nargs);
+/* module_cp.c */
+PyObject *ncp_py_kv_gather(PyObject *m, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
+PyObject *ncp_py_kv_assemble(PyObject *m, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
+PyObject *ncp_py_kv_grad_sum(PyObject *m, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
 
 #define NCP_KW_METHOD(name, fn, doc) {name, (PyCFunction)(void (*)(void))fn, METH_FASTCALL | METH_KEYWORDS, doc}
 #define NCP_ATTN_METHODS                                                                                             \
@@ -37,6 +41,14 @@ PyObject *ncp_py_plan_build(PyObject *m, PyObject *const *args, Py_ssize_t nargs
     NCP_KW_METHOD("attn_debug", ncp_py_attn_debug,                                                                   \
                   "attn_debug(*, portable=None, grid=None, whole_tiles=None) -> previous (portable, grid, "          \
                   "whole_tiles): test hooks of the attention dispatcher."),                                          \
+    NCP_KW_METHOD("kv_gather", ncp_py_kv_gather,                                                                     \
+                  "kv_gather(*, a, b, idx, out, stream=None): out[j] = [a[idx[j]] | b[idx[j]]] (CP rank step)."),     \
+    NCP_KW_METHOD("kv_assemble", ncp_py_kv_assemble,                                                                 \
+                  "kv_assemble(*, k, v, recv, slot_src, kbuf, vbuf, stream=None): the K/V buffer sorted by "         \
+                  "position from local and received rows (CP rank step)."),                                          \
+    NCP_KW_METHOD("kv_grad_sum", ncp_py_kv_grad_sum,                                                                 \
+                  "kv_grad_sum(*, dkbuf, dvbuf, local_slot, back, ret_off, ret_idx, dk, dv, stream=None): "          \
+                  "gradients of local rows plus those other ranks returned, fp32, rank order (CP rank step)."),      \
     {"magi_geometry", (PyCFunction)(void (*)(void))ncp_py_magi_geometry, METH_FASTCALL,                             \
      "magi_geometry(total, cp_size, requested_chunk, min_chunks_per_rank) -> (chunk_size, total_padded)."},         \
     {"magi_dispatch", (PyCFunction)(void (*)(void))ncp_py_magi_dispatch, METH_FASTCALL,                             \

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..attention import attn_backward, attn_forward
-from ..flint import _assemble, _check_local, _pack_send, _split_grads, _sum_returned
+from ..flint import _check_local, _kv_buffer, _local_grads, _returned_rows, _send_rows
 
 __all__ = ["SimulatedGroup", "simulate_cp_attention"]
 
@@ -23,9 +23,8 @@ def simulate_cp_attention(plans, queries, keys, values, sink, window, scale, dou
     mk = [p._key(window) for p in plans]
     for r in range(cp):
         _check_local(mk[r], queries[r], keys[r], values[r], sink)
-    D = keys[0].shape[-1]
-    kv = [torch.cat([k, v], dim=-1) for k, v in zip(keys, values)]
-    sends = [_pack_send(mk[r], kv[r]) for r in range(cp)]
+    keys, values, queries = ([t.contiguous() for t in ts] for ts in (keys, values, queries))
+    sends = [_send_rows(mk[r], keys[r], values[r]) for r in range(cp)]
 
     def route(parts_by_src, counts_of):  # parts_by_src[s] grouped by destination
         out = []
@@ -42,28 +41,26 @@ def simulate_cp_attention(plans, queries, keys, values, sink, window, scale, dou
     recvs = route(sends, lambda s: mk[s].send_counts)
     outs, saved = [], []
     for r in range(cp):
-        buf = _assemble(mk[r], kv[r], recvs[r])
-        kb, vb = buf[..., :D].contiguous(), buf[..., D:].contiguous()
+        kb, vb = _kv_buffer(mk[r], keys[r], values[r], recvs[r])
         mask = mk[r].device_tables(kb.device)["mask"]
-        out, lse = attn_forward(queries[r].contiguous(), kb, vb, sink, mask, float(scale))
+        out, lse = attn_forward(queries[r], kb, vb, sink, mask, float(scale))
         outs.append(out)
         saved.append((kb, vb, out, lse, mask))
     if douts is None:
         return outs, None
-    dq, d_local, d_remote, dsink = [], [], [], []
+    dq, dbuf, d_remote, dsink = [], [], [], []
     for r in range(cp):
         kb, vb, out, lse, mask = saved[r]
-        g = attn_backward(douts[r].contiguous(), queries[r].contiguous(), kb, vb, sink, out, lse, mask, float(scale))
+        g = attn_backward(douts[r].contiguous(), queries[r], kb, vb, sink, out, lse, mask, float(scale))
         dq.append(g[0])
         dsink.append(g[3])
-        loc, rem = _split_grads(mk[r], torch.cat([g[1], g[2]], dim=-1))
-        d_local.append(loc)
-        d_remote.append(rem)
+        dbuf.append((g[1], g[2]))
+        d_remote.append(_returned_rows(mk[r], g[1], g[2]))
     backs = route(d_remote, lambda s: mk[s].recv_counts)
     grads = []
     for r in range(cp):
-        summed = _sum_returned(mk[r], d_local[r], backs[r])
-        grads.append((dq[r], summed[..., :D], summed[..., D:], dsink[r]))
+        dk, dv = _local_grads(mk[r], *dbuf[r], backs[r])
+        grads.append((dq[r], dk, dv, dsink[r]))
     return outs, grads
 
 

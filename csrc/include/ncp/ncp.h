@@ -229,6 +229,62 @@ void ncp_attn_debug_set(const ncp_attn_debug *d);
 ncp_attn_debug ncp_attn_debug_get(void);
 
 /* ------------------------------------------------------------------------------------------ */
+/* Flint CP rank step: the K/V exchange bookkeeping around the all-to-all                        */
+/* ------------------------------------------------------------------------------------------ */
+
+/* Rows of two (T, H, D) tensors a and b (token and head strides in elements, last dim contiguous).
+ * Row indices are int32; an index outside [0, rows) reads as zeros (never out of bounds). */
+typedef struct {
+    const void *a, *b;         /* (rows, H, D) */
+    int64_t a_st, a_sh, b_st, b_sh;
+    int32_t rows, H, D;
+    ncp_dtype dtype;           /* f16, bf16, f32, f64 (the CPU also takes any of them; CUDA: 16-bit) */
+} ncp_kv_pair;
+
+/* out[j] = [a[idx[j]] | b[idx[j]]] for j < n: the rows a rank sends (k, v by send_idx), or the
+ * gradients of received rows it returns (dk, dv buffers by recv_slot). */
+typedef struct {
+    ncp_kv_pair src;
+    const int32_t *idx;        /* (n,) */
+    int32_t n;
+    void *out;                 /* (n, H, 2D) contiguous */
+} ncp_kv_gather_params;
+
+/* The K/V buffer sorted by global position: for slot s < n_slots with r = slot_src[s],
+ * kbuf[s] = r < local.rows ? local.a[r] : recv[r - local.rows][:D], vbuf[s] likewise with the
+ * second half; r outside [0, local.rows + n_recv) gives zeros. */
+typedef struct {
+    ncp_kv_pair local;         /* this rank's k, v */
+    const void *recv;          /* (n_recv, H, 2D) contiguous, received [k | v] rows */
+    int32_t n_recv;
+    const int32_t *slot_src;   /* (n_slots,) */
+    int32_t n_slots;
+    void *kbuf, *vbuf;         /* (n_slots, H, D) contiguous */
+} ncp_kv_assemble_params;
+
+/* Gradients of local rows: for i < n_local, dk[i] = buf.a[local_slot[i]] + sum of back[j][:D] over
+ * j in ret_idx[ret_off[i] .. ret_off[i + 1]) (the rows other ranks returned for i, in rank order),
+ * summed in fp32 (double on the CPU) in that fixed order; dv[i] likewise with buf.b and the second
+ * half. Bitwise repeatable. */
+typedef struct {
+    ncp_kv_pair buf;           /* dk, dv of the sorted K/V buffer */
+    const int32_t *local_slot; /* (n_local,) */
+    int32_t n_local;
+    const void *back;          /* (n_back, H, 2D) contiguous */
+    int32_t n_back;
+    const int32_t *ret_off;    /* (n_local + 1,) */
+    const int32_t *ret_idx;    /* (n_back,) rows of back, grouped by local row */
+    void *dk, *dv;             /* (n_local, H, D) contiguous, dtype of buf */
+} ncp_kv_grad_sum_params;
+
+ncp_status ncp_kv_gather_cpu(const ncp_kv_gather_params *p);
+ncp_status ncp_kv_gather_cuda(const ncp_kv_gather_params *p, void *stream);
+ncp_status ncp_kv_assemble_cpu(const ncp_kv_assemble_params *p);
+ncp_status ncp_kv_assemble_cuda(const ncp_kv_assemble_params *p, void *stream);
+ncp_status ncp_kv_grad_sum_cpu(const ncp_kv_grad_sum_params *p);
+ncp_status ncp_kv_grad_sum_cuda(const ncp_kv_grad_sum_params *p, void *stream);
+
+/* ------------------------------------------------------------------------------------------ */
 /* Magi dispatch and Flint CP plans (host)                                                     */
 /* ------------------------------------------------------------------------------------------ */
 
@@ -262,6 +318,7 @@ typedef struct {
     ncp_i32_array recv_slot;        /* (R,) buffer slot of each received row */
     ncp_i32_array q_lo;             /* (L,) first visible global position per local query */
     ncp_i32_array row_lo, row_hi;   /* (L,) NCP_MASK_TABLE bounds: buffer slots [row_lo, row_hi] */
+    ncp_i32_array ret_off, ret_idx; /* (L + 1,), (sum(send_counts),): CSR of send_idx by local row */
 } ncp_plan_window;
 
 typedef struct {
