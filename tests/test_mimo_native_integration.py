@@ -7,7 +7,7 @@
 2. ``make_mimo_te_cp_sharder`` unbound and rebound to a mesh, with a model (setup side effect,
    token verbs); parity with upstream's own ``shard_batch_for_mimo_te`` on a handful of matrix cases;
    ``nemo_cp_native.patch()`` / ``unpatch()`` / ``patched()`` swap and restore upstream's names.
-3. The fused shard pass writes every element of its outputs and nothing around them (STYLE 12).
+3. The one native call writes every element of its outputs and nothing around them (STYLE 12).
 4. CUDA (``@pytest.mark.cuda``): native on CUDA == native on CPU == oracle; devices of the outputs,
    with the metadata on the GPU or on the CPU; CPU/GPU mixes; the host-sync budget (at most 1 per
    call, 0 with the metadata on the CPU, while the reference makes many), and that the call does
@@ -42,7 +42,6 @@ from _upstream import (
 import nemo_cp_native
 from nemo_cp_native import _C, _compat
 from nemo_cp_native import mimo as nat
-from nemo_cp_native._ops import dl, stream_of
 from nemo_cp_native.reference import mimo as ref
 from nemo_cp_native.testing import make_mimo_batch
 
@@ -212,60 +211,66 @@ def test_patch_and_unpatch():
 
 
 # =============================================================================================
-# 3. Output guards of the fused shard pass
+# 3. Output guards of the one native call
 # =============================================================================================
 
-POISON_I64, POISON_U8 = -0x7FFF_FFFF_FFFF_FFF0, 0xA5
-GUARD = 9
+PATTERN = 0xA5  # every byte of the poisoned buffers; no int64 output and no bool byte can hold it
+GUARD = 9  # int64 words of guard band on each side
 
 
-def _guarded(n, dtype, device):
-    """(buffer, output view): ``n`` poisoned elements with poisoned guard bands on both sides."""
-    if dtype == torch.bool:
-        buf = torch.full((n + 2 * GUARD,), POISON_U8, dtype=torch.uint8, device=device)
-        return buf, buf[GUARD : GUARD + n].view(torch.bool)
-    buf = torch.full((n + 2 * GUARD,), POISON_I64, dtype=torch.int64, device=device)
-    return buf, buf[GUARD : GUARD + n]
+def _guarded(words, device):
+    """(buffer, view): ``words`` poisoned int64 words with poisoned guard bands on both sides."""
+    buf = torch.full(((words + 2 * GUARD) * 8,), PATTERN, dtype=torch.uint8, device=device).view(torch.int64)
+    return buf, buf[GUARD : GUARD + words]
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize(
+    "device,meta", [("cpu", "cpu"), pytest.param("cuda", "cpu", marks=pytest.mark.cuda),
+                    pytest.param("cuda", "cuda", marks=pytest.mark.cuda)],
+    ids=["cpu", "cuda_meta_cpu", "cuda_meta_cuda"],
+)  # fmt: skip
 @pytest.mark.parametrize("cp,C", [(1, 1), (1, 2), (2, 1), (4, 4), (8, 2)])
-def test_shard_pass_writes_every_output_and_nothing_else(cp, C, device, ncp_seed):
+def test_one_call_writes_every_output_and_nothing_else(cp, C, device, meta, ncp_seed):
+    """``_C.mimo_run`` into a poisoned buffer inside guard bands (STYLE 12): every element of every
+    output is written, nothing outside ``out`` / ``host`` is, and the values are the sharder's."""
+    from torch.utils.dlpack import to_dlpack
+
     g = gen(ncp_seed)
     batch, _, _ = draw_case(g, B=4, C=C, cp=cp, S=2 * cp * 3, image_token_id=IMG, video_token_id=VID)
-    batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    batch = {k: v.to(meta if k in META else device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
     ids, labels, pos = batch["input_ids"], batch["labels"], batch["position_ids"]
-    B, S = ids.shape
-    Tc = B // C * S
-    L = Tc // cp
     rank = int(torch.randint(0, cp, (), generator=g))
-    lay = nat._Layout(batch["seq_lens"], batch["seq_lens_padded"], S, C, cp, -1000, ids.device)
-    sizes = {"ids": (C * L, torch.int64), "labels": (C * L, torch.int64), "pos": (C * L, torch.int64),
-             "pad": (C * L, torch.bool), "local": (C * L, torch.int64), "image": (C * Tc, torch.bool),
-             "video": (C * Tc, torch.bool)}  # fmt: skip
-    if cp == 1:
-        sizes = {k: v for k, v in sizes.items() if k not in ("ids", "labels", "pos")}
-    bufs = {k: _guarded(n, dt, device) for k, (n, dt) in sizes.items()}
-    o = {k: bufs[k][1] if k in bufs else None for k in ("ids", "labels", "pos", "pad", "local", "image", "video")}
-    _C.mimo_shard(
-        dl(ids), dl(labels), dl(pos if cp > 1 else None), dl(lay.table), dl(o["ids"]), dl(o["labels"]), dl(o["pos"]),
-        dl(o["pad"]), dl(o["local"]), dl(o["image"]), dl(o["video"]), C, cp, rank, IMG, VID, stream_of(ids.device),
-    )  # fmt: skip
-    for k, (buf, _) in bufs.items():
-        body = buf[GUARD:-GUARD]
-        poison = POISON_U8 if buf.dtype == torch.uint8 else POISON_I64
-        assert (buf[:GUARD] == poison).all() and (buf[-GUARD:] == poison).all(), f"{k}: wrote outside its output"
-        assert (body <= 1).all() if buf.dtype == torch.uint8 else (body != poison).all(), f"{k}: element not written"
+    outputs = nat._OUT_PAD | nat._OUT_IMAGE | nat._OUT_VIDEO | (nat._OUT_TOKENS | nat._OUT_POS if cp > 1 else 0)
+    sl, slp = (batch[k].cpu() for k in META)
+    plan = nat._plan((4, ids.shape[1], sl.shape[1], slp.shape[1], C, cp, outputs))
+    out_buf, out = _guarded(plan.out_words, device)
+    host_buf, host = _guarded(plan.lay_words, "cpu") if (device, meta) == ("cuda", "cpu") else (None, None)
+    info = _C.mimo_run(to_dlpack(ids), to_dlpack(labels), to_dlpack(pos), to_dlpack(sl), to_dlpack(slp),
+                       to_dlpack(out), None if host is None else to_dlpack(host), C, cp, rank, IMG, VID, -1000,
+                       outputs, nat._stream(ids.device))  # fmt: skip
+    poison = int(torch.full((8,), PATTERN, dtype=torch.uint8).view(torch.int64))
+    for buf in (out_buf, host_buf):
+        if buf is not None:
+            assert (buf[:GUARD] == poison).all() and (buf[-GUARD:] == poison).all(), "wrote outside the buffer"
+    got = {}
+    for name, is_bool, size, stride, offset in plan.views:
+        base = out.view(torch.bool) if is_bool else out
+        view = base.as_strided(size, stride, base.storage_offset() + offset)  # out sits inside the guards
+        raw = view.view(torch.uint8) if is_bool else view
+        assert ((raw <= 1) if is_bool else (raw != poison)).all(), f"{name}: element not written"
+        got[name] = view
+    total = info[4] + (C + 1) // 2  # maxlen_off + its words: the end of the layout block
+    if host is not None:
+        assert (host[:total] != poison).any() and (host[total:] == poison).all()
     mesh = FakeCPMesh(cp, rank)
     with fake_dist(mesh):
-        out = nat.shard_batch_for_mimo_te(mesh, None, dict(batch), num_chunks=C, image_token_id=IMG,
-                                          video_token_id=VID)[1]  # fmt: skip
+        _, want, _ = ref.shard_batch_for_mimo_te(mesh, None, _to(batch, "cpu"), num_chunks=C, image_token_id=IMG,
+                                                 video_token_id=VID)  # fmt: skip
     expect = {"local": "_mimo_thd_local_indices", "pad": "padding_mask", "image": "_mimo_global_image_mask",
-              "video": "_mimo_global_video_mask", "ids": "input_ids", "labels": "labels",
-              "pos": "position_ids"}  # fmt: skip
-    for k, key in expect.items():
-        if k in bufs:
-            assert torch.equal(bufs[k][1].cpu(), out[key].reshape(-1).to(bufs[k][1].dtype).cpu()), k
+              "video": "_mimo_global_video_mask", "ids": "input_ids", "labels": "labels", "pos": "position_ids"}
+    for name, view in got.items():
+        w = want[expect[name]]
+        assert torch.equal(view.cpu(), w.reshape(view.shape).to(view.dtype)), name
 
 
 # =============================================================================================

@@ -12,6 +12,12 @@
  *
  * Also: torch.searchsorted(..., right=True) semantics (upper bound), used by the padding mask of
  * the framework's _thd_padding_mask, reproduced bit for bit even on unsorted input.
+ *
+ * Integer hygiene (issue 17): every binary search takes its midpoint in int64, so a cu_seqlens of
+ * 2^30 or more entries cannot overflow it. Where the reference wraps on absurd inputs (TE's int32
+ * arithmetic, torch's int64 cumsum), we wrap explicitly: compute in unsigned types, where wrapping
+ * is defined, and convert back with ncp_wrap_i32 / ncp_wrap_i64, which give the two's-complement
+ * value for every input on every compiler (no reliance on -fwrapv or implementation-defined casts).
  */
 #ifndef NCP_THD_LAYOUT_H
 #define NCP_THD_LAYOUT_H
@@ -24,15 +30,36 @@
 #define NCP_HD static inline
 #endif
 
-/* Global source index of output slot t for rank r (TE's kernel, line for line). */
+/* The two's-complement int32 / int64 with the bits of u: the documented result of every
+ * wrapping operation below (mod 2^32 / 2^64 arithmetic, as TE's int32 kernel and torch's int64
+ * ops give on the hardware they run on). Compilers turn both into a plain move. */
+NCP_HD int32_t ncp_wrap_i32(uint32_t u) {
+    return u <= (uint32_t)INT32_MAX ? (int32_t)u : (int32_t)(u - (uint32_t)INT32_MAX - 1u) + INT32_MIN;
+}
+
+NCP_HD int64_t ncp_wrap_i64(uint64_t u) {
+    return u <= (uint64_t)INT64_MAX ? (int64_t)u : (int64_t)(u - (uint64_t)INT64_MAX - 1u) + INT64_MIN;
+}
+
+/* a - b and a + b with int32 wraparound (torch / TE int32 arithmetic on absurd lengths). */
+NCP_HD int32_t ncp_sub_wrap_i32(int32_t a, int32_t b) { return ncp_wrap_i32((uint32_t)a - (uint32_t)b); }
+NCP_HD int32_t ncp_add_wrap_i32(int32_t a, int32_t b) { return ncp_wrap_i32((uint32_t)a + (uint32_t)b); }
+/* a - b and a + b with int64 wraparound (torch's int64 cumsum and subtraction). */
+NCP_HD int64_t ncp_sub_wrap_i64(int64_t a, int64_t b) { return ncp_wrap_i64((uint64_t)a - (uint64_t)b); }
+NCP_HD int64_t ncp_add_wrap_i64(int64_t a, int64_t b) { return ncp_wrap_i64((uint64_t)a + (uint64_t)b); }
+
+/* Global source index of output slot t for rank r (TE's kernel, line for line, except that the
+ * search bounds are int64: TE's int32 (left + right) / 2 overflows from 2^30 entries on).
+ * n_cu >= 2, 0 <= t < 2^31, W > 0, 0 <= r < W: every product below then fits in int64
+ * (|cu / W| <= 2^31 / W bounds both start * W and half * off), so nothing here wraps. */
 NCP_HD int64_t ncp_te_src_index(const int32_t *cu, int32_t n_cu, int64_t t, int32_t W, int32_t r) {
-    int32_t left = 1, right = n_cu - 1;
+    int64_t left = 1, right = (int64_t)n_cu - 1;
     while (left < right) {
-        int32_t mid = (left + right) / 2;
+        int64_t mid = (left + right) / 2;
         if ((int64_t)(cu[mid] / W) <= t) left = mid + 1;
         else right = mid;
     }
-    int32_t s = left - 1;
+    int64_t s = left - 1;
     int64_t start = cu[s] / W;
     int64_t len = cu[s + 1] / W - start;
     int64_t i = t - start;
@@ -58,7 +85,8 @@ NCP_HD int ncp_thd_is_padding(const int64_t *starts, int64_t n_slots, const int6
                               int64_t p) {
     int64_t seg = ncp_upper_bound_i64(starts + 1, n_slots, p);
     if (seg > n_reals - 1) seg = n_reals - 1;
-    int pad = (p - starts[seg]) >= reals[seg];
+    /* int64 wraparound as torch computes it: only absurd (wrapping) length tables get here */
+    int pad = ncp_sub_wrap_i64(p, starts[seg]) >= reals[seg];
     return pad || (p >= starts[n_slots]);
 }
 
