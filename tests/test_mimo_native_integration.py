@@ -241,11 +241,13 @@ def test_one_call_writes_every_output_and_nothing_else(cp, C, device, meta, ncp_
     ids, labels, pos = batch["input_ids"], batch["labels"], batch["position_ids"]
     rank = int(torch.randint(0, cp, (), generator=g))
     outputs = nat._OUT_PAD | nat._OUT_IMAGE | nat._OUT_VIDEO | (nat._OUT_TOKENS | nat._OUT_POS if cp > 1 else 0)
+    assert pos is not None or cp == 1  # draw_case leaves position_ids out only where upstream allows it
     sl, slp = (batch[k].cpu() for k in META)
     plan = nat._plan((4, ids.shape[1], sl.shape[1], slp.shape[1], C, cp, outputs))
     out_buf, out = _guarded(plan.out_words, device)
     host_buf, host = _guarded(plan.lay_words, "cpu") if (device, meta) == ("cuda", "cpu") else (None, None)
-    info = _C.mimo_run(to_dlpack(ids), to_dlpack(labels), to_dlpack(pos), to_dlpack(sl), to_dlpack(slp),
+    info = _C.mimo_run(to_dlpack(ids), to_dlpack(labels), None if pos is None else to_dlpack(pos), to_dlpack(sl),
+                       to_dlpack(slp),
                        to_dlpack(out), None if host is None else to_dlpack(host), C, cp, rank, IMG, VID, -1000,
                        outputs, nat._stream(ids.device))  # fmt: skip
     poison = int(torch.full((8,), PATTERN, dtype=torch.uint8).view(torch.int64))
@@ -366,46 +368,90 @@ def test_cuda_device_mixes(where, cp, ncp_seed):
         assert_same_outcome(r, n)
 
 
+SYNC_CASES = [(8, 1, 128), (8, 4, 128), (1, 2, 16), (4, 2, 64), (8, 1, 32768), (8, 4, 32768)]
+
+
 @pytest.mark.cuda
-@pytest.mark.parametrize("cp,C", [(8, 1), (8, 4), (1, 2)])
-def test_cuda_host_sync_budget(cp, C, ncp_seed):
-    """At most one synchronizing operation per call (none with seq_lens* on the CPU); the reference makes many."""
+@pytest.mark.parametrize("cp,C,S", SYNC_CASES, ids=[f"cp{cp}-C{C}-S{S}" for cp, C, S in SYNC_CASES])
+def test_cuda_host_sync_budget(cp, C, S, ncp_seed):
+    """Issue 16's budget, through ``shard_batch_for_mimo_te`` and through the sharder that
+    ``make_mimo_te_cp_sharder`` builds (bound to the mesh as the framework does): not one sync with
+    ``seq_lens*`` on the CPU (``set_sync_debug_mode("error")`` around the call), at most one with them
+    on the GPU, B=8 up to S=32768 and every num_chunks; the reference makes many."""
     g = gen(ncp_seed)
-    batch, opts, _ = draw_case(g, B=8, C=C, cp=cp, S=2 * cp * 8, image_token_id=IMG, video_token_id=VID)
+    docs = (16, 64) if S > 1024 else (1, 4)
+    batch = make_mimo_batch(8, S, num_chunks=C, cp_size=cp, docs_per_row=docs, image_token_id=IMG, video_token_id=VID,
+                            generator=g, min_doc=True)  # fmt: skip
+    opts = {"num_chunks": C, "image_token_id": IMG, "video_token_id": VID}
     mesh = FakeCPMesh(cp, 3 % cp)
+    sharder = nat.make_mimo_te_cp_sharder(model=None, **opts)
+    bound = _compat.ContextParallelSharder(device_mesh=mesh, shard_batch=sharder.shard_batch,
+                                           local_token_global_indices=None, shard_layout=None)  # fmt: skip
+    calls = {"function": lambda b: nat.shard_batch_for_mimo_te(mesh, None, b, **opts)[1],
+             "sharder": lambda b: bound.shard(b)[1]}  # fmt: skip
     with fake_dist(mesh):
-        for keep, budget in (((), 1), (META, 0)):
-            batch_gpu = _to(batch, "cuda", keep)
-            nat.shard_batch_for_mimo_te(mesh, None, dict(batch_gpu), **opts)  # warm up
-            assert nat.fast_path_info()["path"] == "native"
-            one_call = lambda: nat.shard_batch_for_mimo_te(mesh, None, dict(batch_gpu), **opts)  # noqa: B023, E731
-            assert _count_syncs(one_call) <= budget
-        torch.cuda.set_sync_debug_mode("error")  # metadata on the CPU: not one sync
-        try:
-            out = nat.shard_batch_for_mimo_te(mesh, None, dict(batch_gpu), **opts)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-        if cp == 8:  # the count can fail: the reference path syncs several times per chunk
+        want = ref.shard_batch_for_mimo_te(mesh, None, dict(batch), **opts)[1]
+        for keep, budget in ((META, 0), ((), 1)):
+            gpu = _to(batch, "cuda", keep)
+            for name, fn in calls.items():
+                fn(dict(gpu))  # warm up (plan cache, staging slots, allocator)
+                torch.cuda.synchronize()
+                if budget == 0:
+                    torch.cuda.set_sync_debug_mode("error")
+                    try:
+                        out = fn(dict(gpu))
+                    finally:
+                        torch.cuda.set_sync_debug_mode(0)
+                else:
+                    assert _count_syncs(lambda: fn(dict(gpu))) <= budget, (name, keep)  # noqa: B023
+                    out = fn(dict(gpu))
+                assert nat.fast_path_info()["path"] == "native", (name, nat.fast_path_info())
+                assert_same(_to(out, "cpu"), want)
+        if cp == 8 and S <= 1024:  # the count can fail: the reference path syncs several times per chunk
             gpu = _to(batch, "cuda")
             assert _count_syncs(lambda: ref.shard_batch_for_mimo_te(mesh, None, dict(gpu), **opts)) >= 5 * C
-        want = ref.shard_batch_for_mimo_te(mesh, None, dict(batch), **opts)
-    assert_same(_to(out, "cpu"), want)
 
 
 @pytest.mark.cuda
-def test_cuda_call_does_not_wait_for_the_gpu(ncp_seed):
-    """With seq_lens* on the CPU the call returns while earlier GPU work is still running."""
+@pytest.mark.parametrize("S,C", [(4096, 2), (32768, 1), (32768, 4)])
+def test_cuda_call_does_not_wait_for_the_gpu(S, C, ncp_seed):
+    """With seq_lens* on the CPU the call returns while earlier GPU work is still running, and its
+    host time is far below the queued GPU work (a sync would wait about a second)."""
+    import time
+
     g = gen(ncp_seed)
-    batch = make_mimo_batch(8, 4096, num_chunks=2, cp_size=8, docs_per_row=(4, 16), generator=g, image_token_id=IMG)
+    batch = make_mimo_batch(8, S, num_chunks=C, cp_size=8, docs_per_row=(4, 64), generator=g, image_token_id=IMG)
     gpu = _to(batch, "cuda", META)
     mesh = FakeCPMesh(8, 5)
     with fake_dist(mesh):
-        nat.shard_batch_for_mimo_te(mesh, None, dict(gpu), num_chunks=2, image_token_id=IMG)  # warm up
+        nat.shard_batch_for_mimo_te(mesh, None, dict(gpu), num_chunks=C, image_token_id=IMG)  # warm up
         torch.cuda.synchronize()
         torch.cuda._sleep(2_000_000_000)  # about a second of GPU spinning, queued on the current stream
-        out = nat.shard_batch_for_mimo_te(mesh, None, dict(gpu), num_chunks=2, image_token_id=IMG)
+        t0 = time.perf_counter()
+        out = nat.shard_batch_for_mimo_te(mesh, None, dict(gpu), num_chunks=C, image_token_id=IMG)
+        host_s = time.perf_counter() - t0
         still_busy = not torch.cuda.current_stream().query()
         torch.cuda.synchronize()
-        want = ref.shard_batch_for_mimo_te(mesh, None, dict(batch), num_chunks=2, image_token_id=IMG)
-    assert still_busy, "shard_batch_for_mimo_te waited for the GPU"
+        want = ref.shard_batch_for_mimo_te(mesh, None, dict(batch), num_chunks=C, image_token_id=IMG)
+    assert still_busy and host_s < 0.1, f"shard_batch_for_mimo_te waited for the GPU ({host_s * 1e3:.1f} ms)"
     assert_same(_to(out, "cpu"), want)
+
+
+@pytest.mark.cuda
+def test_cuda_staging_ring_under_a_deep_queue(ncp_seed):
+    """More calls queued behind a GPU spin than the pinned staging ring has slots per device (32):
+    no slot is rewritten before its copy to the GPU has run (each call keeps its own table), and the
+    calls beyond the ring wait for the oldest copy instead of corrupting it."""
+    n = 40
+    batches = [make_mimo_batch(4, 64, num_chunks=2, cp_size=2, docs_per_row=(1, 6), generator=gen(ncp_seed + i),
+                               image_token_id=IMG) for i in range(n)]  # fmt: skip
+    mesh = FakeCPMesh(2, 1)
+    with fake_dist(mesh):
+        gpu = [_to(b, "cuda", META) for b in batches]
+        torch.cuda.synchronize()
+        torch.cuda._sleep(400_000_000)  # ~0.2 s: every copy below queues behind it
+        outs = [nat.shard_batch_for_mimo_te(mesh, None, dict(b), num_chunks=2, image_token_id=IMG)[1] for b in gpu]
+        torch.cuda.synchronize()
+        for b, out in zip(batches, outs):
+            want = ref.shard_batch_for_mimo_te(mesh, None, dict(b), num_chunks=2, image_token_id=IMG)[1]
+            assert_same(_to(out, "cpu"), want)

@@ -8,7 +8,8 @@
  *     i    = t - cs[s],  half = (cs[s+1] - cs[s]) / 2
  *     off  = i < half ? r : 2W - 2 - r
  *     src  = i + cs[s] * W + half * off
- * Slots past cu[-1] keep the last document's tail offset, exactly as TE does (spec 11.4).
+ * Slots past cu[-1] keep the last document's tail offset, exactly as TE does (spec 11.4). TE's
+ * arithmetic is int32; so is ours (ncp_te_src_index), with the wraparound made explicit.
  *
  * Also: torch.searchsorted(..., right=True) semantics (upper bound), used by the padding mask of
  * the framework's _thd_padding_mask, reproduced bit for bit even on unsorted input.
@@ -48,24 +49,29 @@ NCP_HD int32_t ncp_add_wrap_i32(int32_t a, int32_t b) { return ncp_wrap_i32((uin
 NCP_HD int64_t ncp_sub_wrap_i64(int64_t a, int64_t b) { return ncp_wrap_i64((uint64_t)a - (uint64_t)b); }
 NCP_HD int64_t ncp_add_wrap_i64(int64_t a, int64_t b) { return ncp_wrap_i64((uint64_t)a + (uint64_t)b); }
 
-/* Global source index of output slot t for rank r (TE's kernel, line for line, except that the
- * search bounds are int64: TE's int32 (left + right) / 2 overflows from 2^30 entries on).
- * n_cu >= 2, 0 <= t < 2^31, W > 0, 0 <= r < W: every product below then fits in int64
- * (|cu / W| <= 2^31 / W bounds both start * W and half * off), so nothing here wraps. */
-NCP_HD int64_t ncp_te_src_index(const int32_t *cu, int32_t n_cu, int64_t t, int32_t W, int32_t r) {
+NCP_HD int32_t ncp_mul_wrap_i32(int32_t a, int32_t b) { return ncp_wrap_i32((uint32_t)a * (uint32_t)b); }
+
+/* Global source index of output slot t for rank r: TE's kernel line for line, in TE's int32
+ * arithmetic (every step wraps mod 2^32 as TE's `int` does on the GPU, so absurd boundaries give
+ * TE's exact answer), except that the search bounds are int64: TE's int32 (left + right) / 2
+ * overflows from 2^30 + 1 entries on and reads before the table. Requires n_cu >= 2,
+ * 0 <= t <= INT32_MAX, W > 0 (so cu / W cannot overflow) and 0 <= r < W. On a valid layout
+ * (non-negative, non-decreasing, lengths divisible by 2W, cu[-1] < 2^31) nothing wraps. */
+NCP_HD int32_t ncp_te_src_index(const int32_t *cu, int32_t n_cu, int64_t t64, int32_t W, int32_t r) {
+    const int32_t t = (int32_t)t64;
     int64_t left = 1, right = (int64_t)n_cu - 1;
     while (left < right) {
         int64_t mid = (left + right) / 2;
-        if ((int64_t)(cu[mid] / W) <= t) left = mid + 1;
+        if (cu[mid] / W <= t) left = mid + 1;
         else right = mid;
     }
-    int64_t s = left - 1;
-    int64_t start = cu[s] / W;
-    int64_t len = cu[s + 1] / W - start;
-    int64_t i = t - start;
-    int64_t half = len / 2;
-    int64_t off = (i < half) ? r : (2 * (int64_t)W - 2 - r);
-    return i + start * W + half * off;
+    const int64_t s = left - 1;
+    const int32_t start = cu[s] / W;
+    const int32_t len = ncp_sub_wrap_i32(cu[s + 1] / W, start);
+    const int32_t i = ncp_sub_wrap_i32(t, start);
+    const int32_t half = len / 2;
+    const int32_t off = i < half ? r : ncp_sub_wrap_i32(ncp_mul_wrap_i32(ncp_sub_wrap_i32(W, 1), 2), r);
+    return ncp_add_wrap_i32(i, ncp_add_wrap_i32(ncp_mul_wrap_i32(start, W), ncp_mul_wrap_i32(half, off)));
 }
 
 /* torch.searchsorted(sorted, value, right=True) on n entries: the upper bound, with torch's loop. */

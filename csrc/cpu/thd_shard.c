@@ -59,8 +59,7 @@ ncp_status ncp_thd_partition_validate_total(const int32_t *cu, int32_t n_cu, int
 ncp_status ncp_thd_partition_cpu(const ncp_thd_partition_params *p) {
     NCP_TRY(ncp_thd_partition_check(p));
     const int64_t n_out = p->total_tokens / p->cp_size;
-    for (int64_t t = 0; t < n_out; ++t) /* TE's int32 output: the low 32 bits */
-        p->out[t] = ncp_wrap_i32((uint32_t)ncp_te_src_index(p->cu_seqlens, p->n_cu, t, p->cp_size, p->cp_rank));
+    for (int64_t t = 0; t < n_out; ++t) p->out[t] = ncp_te_src_index(p->cu_seqlens, p->n_cu, t, p->cp_size, p->cp_rank);
     return NCP_OK;
 }
 

@@ -52,7 +52,7 @@ int grid_for(int64_t n) {
 __global__ void thd_partition_kernel(const int32_t *__restrict__ cu, int32_t n_cu, int64_t n_out, int32_t W,
                                             int32_t r, int32_t *__restrict__ out) {
     for (int64_t t = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; t < n_out; t += (int64_t)gridDim.x * blockDim.x)
-        out[t] = ncp_wrap_i32((uint32_t)ncp_te_src_index(cu, n_cu, t, W, r)); /* TE's int32: low 32 bits */
+        out[t] = ncp_te_src_index(cu, n_cu, t, W, r);
 }
 
 __device__ __forceinline__ int64_t load_int(const void *base, ncp_dtype dt, int64_t off) {

@@ -107,6 +107,8 @@ static int check_inputs(const ncp_view *v, const ncp_pym_mimo_args *a) {
     if (sl->device != NCP_DEV_CPU || slp->device != NCP_DEV_CPU)
         return ncp_pym_fallback("seq_lens / seq_lens_padded live on another device");
     if (a->cp_size < 1 || a->cp_size > INT32_MAX) return ncp_pym_fallback("cp_size does not fit in int32");
+    if (a->cp_size > 1 && B / a->num_chunks * S > INT32_MAX) /* TE's int32 boundaries would wrap */
+        return ncp_pym_fallback("tokens per chunk do not fit in int32 (TE's cu_seqlens)");
     if (ids->dtype == NCP_DT_I32) {
         int bad = (a->has_image && (a->image_token_id < INT32_MIN || a->image_token_id > INT32_MAX)) ||
                   (a->has_video && (a->video_token_id < INT32_MIN || a->video_token_id > INT32_MAX));
