@@ -6,6 +6,7 @@
    ``gather_token_tensor`` undoes the shard.
 2. ``make_mimo_te_cp_sharder`` unbound and rebound to a mesh, with a model (setup side effect,
    token verbs); parity with upstream's own ``shard_batch_for_mimo_te`` on a handful of matrix cases;
+   ``ensure_mimo_te_context_parallel`` looked up on upstream's ``cp`` module at call time;
    ``nemo_cp_native.patch()`` / ``unpatch()`` / ``patched()`` swap and restore upstream's names.
 3. The one native call writes every element of its outputs and nothing around them (STYLE 12).
 4. CUDA (``@pytest.mark.cuda``): native on CUDA == native on CPU == oracle; devices of the outputs,
@@ -177,6 +178,54 @@ def test_upstream_parity(B, C, cp, ncp_seed):
                 mine = call(nat.shard_batch_for_mimo_te, mesh, None, dict(batch), **opts)
             assert nat.fast_path_info()["path"] == "native" and up[0] == "ok", up
             assert_same_outcome(up, mine)
+
+
+@upstream
+def test_ensure_is_looked_up_on_upstreams_cp_module(monkeypatch, ncp_seed):
+    """Issue 17: upstream's ``shard_batch_for_mimo_te`` calls the ``ensure_mimo_te_context_parallel``
+    that its ``cp`` module holds at call time; so do ours (function, sharder, patched upstream name),
+    so a monkeypatch of ``cp.ensure_mimo_te_context_parallel`` reaches all of them, and one of
+    ``parallelization.ensure_mimo_te_context_parallel`` (where we used to read it) reaches none."""
+    import nemo_automodel.components.models.mimo_v2_flash.parallelization as up_par
+
+    up_cp = upstream_modules()[0]
+    batch = make_mimo_batch(4, 16, num_chunks=1, cp_size=2, generator=gen(ncp_seed), image_token_id=IMG)
+    mesh = FakeCPMesh(2, 1)
+    monkeypatch.setattr(up_par, "ensure_mimo_te_context_parallel", lambda *a: pytest.fail("parallelization's copy"))
+
+    def via_sharder(cp_mesh, tp_mesh, b, *, model, **kw):
+        return nat.make_mimo_te_cp_sharder(model=model, num_chunks=1, **kw).shard_batch(cp_mesh, tp_mesh, b)
+
+    def via_patched_upstream(*args, **kw):
+        with nemo_cp_native.patched():
+            assert up_cp.shard_batch_for_mimo_te is nat.shard_batch_for_mimo_te
+            return up_cp.shard_batch_for_mimo_te(*args, **kw)
+
+    entries = {"upstream": up_cp.shard_batch_for_mimo_te, "native": nat.shard_batch_for_mimo_te,
+               "sharder": via_sharder, "patched": via_patched_upstream}  # fmt: skip
+    for name, entry in entries.items():
+        calls, model = [], object()
+        monkeypatch.setattr(up_cp, "ensure_mimo_te_context_parallel", lambda m, c: calls.append((m, c)))  # noqa: B023
+        with fake_dist(mesh), fake_transformer_engine():
+            out = entry(mesh, None, dict(batch), model=model, image_token_id=IMG, video_token_id=None)
+        assert calls == [(model, mesh)], name
+        assert out[1]["cp_rank"] == 1
+
+
+def test_ensure_without_upstream_runs_the_stand_in(monkeypatch, ncp_seed):
+    """Without an importable upstream ``cp`` module the package's stand-in runs, also looked up at call time."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, ref._UPSTREAM_CP, None)  # import fails as if upstream were absent
+    monkeypatch.setattr(ref, "_no_upstream_cp", [])
+    calls = []
+    monkeypatch.setattr(_compat, "ensure_mimo_te_context_parallel", lambda m, c: calls.append((m, c)))
+    batch = make_mimo_batch(4, 16, num_chunks=1, cp_size=2, generator=gen(ncp_seed))
+    mesh, model = FakeCPMesh(2, 0), object()
+    with fake_dist(mesh):
+        nat.shard_batch_for_mimo_te(mesh, None, dict(batch), model=model)
+        nat.shard_batch_for_mimo_te(mesh, None, dict(batch), model=model)
+    assert calls == [(model, mesh)] * 2 and ref._no_upstream_cp == [True]
 
 
 @upstream

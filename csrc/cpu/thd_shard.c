@@ -81,7 +81,7 @@ ncp_status ncp_mimo_shard_check(const ncp_mimo_shard_params *p) {
     if (p->cp_size > 1) {
         int64_t tc = (p->B / p->num_chunks) * p->S;
         NCP_ARG_CHECK(tc % (2 * (int64_t)p->cp_size) == 0,
-                      "tokens per chunk (%" PRId64 ") must be divisible by 2 * cp_size (%" PRId64 ")", tc,
+                      "input_ids: tokens per chunk (%" PRId64 ") must be divisible by 2 * cp_size (%" PRId64 ")", tc,
                       2 * (int64_t)p->cp_size);
     }
     NCP_ARG_CHECK((p->out_ids == NULL) == (p->out_labels == NULL), "mimo_shard: out_ids and out_labels go together");

@@ -168,8 +168,9 @@ ncp_status stage_fit(StageSlot *sl, size_t bytes) {
 
 /* Claims a slot of the current device with room for `bytes`; *slot_out points at it. */
 ncp_status stage_acquire(int dev, size_t bytes, StageSlot **slot_out) {
-    NCP_ARG_CHECK(dev >= 0 && dev < kStageDevices, "mimo_run: CUDA device %d is beyond the staging ring's %d devices",
-                  dev, kStageDevices);
+    NCP_ARG_CHECK(dev >= 0 && dev < kStageDevices,
+                  "input_ids is on CUDA device %d; the MiMo sharder's staging ring covers devices 0..%d", dev,
+                  kStageDevices - 1);
     std::lock_guard<std::mutex> lock(g_stage_mu);
     StageSlot *slots = g_stage[dev];
     int small = -1;
@@ -178,7 +179,7 @@ ncp_status stage_acquire(int dev, size_t bytes, StageSlot **slot_out) {
     if (i < 0) { /* every slot in flight: wait for the oldest (more than kStageSlots calls queued) */
         for (int k = 0; k < kStageSlots; ++k)
             if (!slots[k].claimed && (i < 0 || slots[k].seq < slots[i].seq)) i = k;
-        NCP_ARG_CHECK(i >= 0, "mimo_run: every staging slot of device %d is claimed by a running call", dev);
+        NCP_CHECK(i >= 0, NCP_ERR_UNSUPPORTED, "every staging slot of device %d is claimed by a running call", dev);
         NCP_CUDA_CHECK(cudaEventSynchronize(slots[i].ev));
     }
     NCP_TRY(stage_fit(&slots[i], bytes));
