@@ -186,9 +186,10 @@ def test_ensure_is_looked_up_on_upstreams_cp_module(monkeypatch, ncp_seed):
     that its ``cp`` module holds at call time; so do ours (function, sharder, patched upstream name),
     so a monkeypatch of ``cp.ensure_mimo_te_context_parallel`` reaches all of them, and one of
     ``parallelization.ensure_mimo_te_context_parallel`` (where we used to read it) reaches none."""
-    import nemo_automodel.components.models.mimo_v2_flash.parallelization as up_par
+    import importlib
 
     up_cp = upstream_modules()[0]
+    up_par = importlib.import_module(up_cp.__name__.rsplit(".", 1)[0] + ".parallelization")
     batch = make_mimo_batch(4, 16, num_chunks=1, cp_size=2, generator=gen(ncp_seed), image_token_id=IMG)
     mesh = FakeCPMesh(2, 1)
     monkeypatch.setattr(up_par, "ensure_mimo_te_context_parallel", lambda *a: pytest.fail("parallelization's copy"))

@@ -87,7 +87,7 @@ static int64_t filter_rows(const void *tab, ncp_dtype dt, int64_t st0, int64_t s
 
 /* MiMo's _chunk_partition_indices checks for one chunk; writes the int32 boundaries TE receives. */
 static ncp_status mimo_validate_chunk(const int64_t *vals, int64_t n, int64_t tokens, int32_t W,
-                                      int32_t *lens, int32_t *cu) {
+                                      int32_t *lens, int32_t *cu, int *exact) {
     int bad = (n == 0);
     int64_t sum = 0;
     for (int64_t i = 0; i < n; ++i) {
@@ -106,6 +106,10 @@ static ncp_status mimo_validate_chunk(const int64_t *vals, int64_t n, int64_t to
         if (lens[i] % div != 0) return fail_divisible(lens, n, div);
     cu[0] = 0;
     for (int64_t i = 0; i < n; ++i) cu[i + 1] = ncp_add_wrap_i32(cu[i], lens[i]); /* TE's int32 cumsum */
+    /* The framework's int64 padding starts equal these boundaries when no value was cut to int32
+     * (lens are then positive and sum to tokens, so the int32 cumsum cannot wrap either). */
+    *exact = tokens <= INT32_MAX;
+    for (int64_t i = 0; i < n && *exact; ++i) *exact = vals[i] == (int64_t)lens[i];
     return NCP_OK;
 }
 
@@ -219,9 +223,11 @@ static ncp_status pass_mimo(const ncp_mimo_layout_params *p, layout_ctx *x) {
         if (x->W <= 1) continue;
         int64_t n = filter_rows(p->seq_lens_padded, p->slp_dt, p->slp_st0, p->slp_st1, p->n_pad, c * x->rpc,
                                 (c + 1) * x->rpc, p->sentinel, x->vp);
-        NCP_TRY(mimo_validate_chunk(x->vp, n, x->Tc, x->W, lens, cu_te));
+        int exact = 0;
+        NCP_TRY(mimo_validate_chunk(x->vp, n, x->Tc, x->W, lens, cu_te, &exact));
         memcpy(buf + desc[0], cu_te, (size_t)(n + 1) * sizeof(int32_t));
         desc[1] = n + 1;
+        desc[6] = exact;
     }
     return NCP_OK;
 }

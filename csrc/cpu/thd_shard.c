@@ -129,10 +129,12 @@ ncp_status ncp_mimo_shard_cpu(const ncp_mimo_shard_params *p) {
             }
         }
         for (int64_t t = 0; t < L; ++t) {
-            int64_t g = W > 1 ? ncp_te_src_index(cu, (int32_t)desc[1], t, W, r) : t;
+            int64_t doc = 0;
+            int64_t g = W > 1 ? ncp_te_src_index_doc(cu, (int32_t)desc[1], t, W, r, &doc) : t;
             int64_t o = c * L + t;
             p->out_local[o] = g;
-            if (p->out_pad != NULL) p->out_pad[o] = (uint8_t)ncp_thd_is_padding(starts, desc[3], reals, desc[5], g);
+            if (p->out_pad != NULL)
+                p->out_pad[o] = (uint8_t)ncp_mimo_is_padding(starts, desc[3], reals, desc[5], g, doc, desc[6]);
             if (p->out_ids == NULL) continue;
             p->out_ids[o] = load_int(p->input_ids, p->ids_dt, token_offset(c, rpc, S, g, p->ids_st0, p->ids_st1));
             p->out_labels[o] = load_int(p->labels, p->lab_dt, token_offset(c, rpc, S, g, p->lab_st0, p->lab_st1));

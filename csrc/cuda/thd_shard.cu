@@ -83,14 +83,15 @@ __global__ void mimo_shard_kernel(ncp_mimo_shard_params p, int64_t Tc, int64_t L
             const int64_t c = i / L, t = i - c * L;
             const int64_t *desc = p.table + 1 + NCP_MIMO_DESC * c;
             const int64_t cu_off = desc[0], n_cu = desc[1], st_off = desc[2], n_slots = desc[3];
-            const int64_t re_off = desc[4], n_reals = desc[5];
-            const int64_t g = p.cp_size > 1
-                                  ? ncp_te_src_index((const int32_t *)(p.table + cu_off), (int32_t)n_cu, t, p.cp_size,
-                                                     p.cp_rank)
-                                  : t;
+            const int64_t re_off = desc[4], n_reals = desc[5], same_docs = desc[6];
+            int64_t doc = 0;
+            const int64_t g = p.cp_size > 1 ? ncp_te_src_index_doc((const int32_t *)(p.table + cu_off), (int32_t)n_cu,
+                                                                    t, p.cp_size, p.cp_rank, &doc)
+                                            : t;
             p.out_local[i] = g;
-            if (p.out_pad != nullptr)
-                p.out_pad[i] = ncp_thd_is_padding(p.table + st_off, n_slots, p.table + re_off, n_reals, g);
+            if (p.out_pad != nullptr) /* one search per slot on validated layouts (same_docs) */
+                p.out_pad[i] = ncp_mimo_is_padding(p.table + st_off, n_slots, p.table + re_off, n_reals, g, doc,
+                                                   same_docs);
             if (p.out_ids != nullptr) {
                 p.out_ids[i] = load_int(p.input_ids, p.ids_dt, token_off(c, rpc, p.S, g, p.ids_st0, p.ids_st1));
                 p.out_labels[i] = load_int(p.labels, p.lab_dt, token_off(c, rpc, p.S, g, p.lab_st0, p.lab_st1));
