@@ -237,10 +237,12 @@ def run_case(name, B, S, C, cp, rank, docs, device, reps, ref_reps, seed):
         row["x_fastTE"] = round(fast / row["ms"], 1)
         if row["impl"].startswith("native"):
             meta_on_host = row["impl"] == "native(metaCPU)" or not cuda
-            row["bar"] = {
-                "speedup": f">= {BAR_SPEEDUP.get(C, 50.0):g}x: {'met' if row['x_fastTE'] >= BAR_SPEEDUP.get(C, 50.0) else 'NOT met'}",
-                "syncs": f"<= {0 if meta_on_host else 1}: {'met' if row['syncs'] <= (0 if meta_on_host else 1) else 'NOT met'}",
-            }
+            budget = 0 if meta_on_host else 1
+            row["bar"] = {"syncs": f"<= {budget}: {'met' if row['syncs'] <= budget else 'NOT met'}"}
+            if C in BAR_SPEEDUP:  # the issue names 1 and 4 chunks
+                met = row["x_fastTE"] >= BAR_SPEEDUP[C]
+                row["bar"]["speedup"] = f">= {BAR_SPEEDUP[C]:g}x vs ref(fastTE): {'met' if met else 'NOT met'}"
+
             if meta_on_host:
                 row["bar"]["host_us"] = f"<= {BAR_HOST_US:g}: {'met' if row['host_us'] <= BAR_HOST_US else 'NOT met'}"
     return rows
@@ -281,7 +283,8 @@ def main(argv=None):
     print_table(rows, columns)
     for row in rows:
         if "bar" in row:
-            print(f"bar {row['case']} {row['impl']}: " + "; ".join(f"{k} {v}" for k, v in row["bar"].items()))
+            print(f"issue-16 bar (set for the H200) {row['case']} {row['impl']}: "
+                  + "; ".join(f"{k} {v}" for k, v in row["bar"].items()))
 
 
 if __name__ == "__main__":
