@@ -1,16 +1,20 @@
 """Native drop-in for ``nemo_automodel.components.models.mimo_v2_flash.cp``.
 
 Same names, signatures, return values and error messages as the reference (spec
-``mimo_te.md``; upstream 0.7.0). What changes is how the work is done:
+``mimo_te.md``; upstream 0.7.0). What changes is how the work is done, in ONE call into C
+(``_C.mimo_run``) per sharder call:
 
-- the small ``seq_lens`` / ``seq_lens_padded`` tables come to the host once (one device-to-host
-  copy when they live on a GPU, none when they are on the CPU);
+- the small ``seq_lens`` / ``seq_lens_padded`` tables are read on the host (one device-to-host
+  copy when they live on a GPU, the call's only host sync; none when they are on the CPU);
 - C (``csrc/core/mimo_layout.c``) does all validation, sentinel filtering, ``cu_seqlens``, the
   absorption rule, ``max_seqlen`` and the DualChunkSwap tables for every pipeline chunk;
-- one host-to-device copy of that compact table, then one fused pass
-  (``csrc/{cpu,cuda}/thd_shard``) gathers ``input_ids``, ``labels``, ``position_ids``, builds the
-  padding mask, the local-index map and both media masks for every chunk. The partition is
-  computed once, not twice as in the reference.
+- one host-to-device copy of that compact table (from a pinned staging slot, on the current
+  stream), then one fused pass (``csrc/{cpu,cuda}/thd_shard``) gathers ``input_ids``, ``labels``,
+  ``position_ids``, builds the padding mask, the local-index map and both media masks for every
+  chunk. The partition is computed once, not twice as in the reference.
+
+Every output lives in one flat buffer allocated here (carving cached per shape); the returned
+tensors are views of it. Tensors cross to C as ``torch.utils.dlpack.to_dlpack`` capsules.
 
 Inputs outside that fast path (3-D mRoPE position ids, no ``seq_lens``, float token ids, batches
 holding keys the framework would reinterpret, ...) run the pure-PyTorch reference in
@@ -28,8 +32,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from torch.utils.dlpack import to_dlpack
+
 from . import _compat
-from ._ops import Fallback, _C, dl, stream_of
+from ._ops import Fallback, _C
 from .reference import mimo as _ref
 
 _MIMO_GLOBAL_IMAGE_MASK = "_mimo_global_image_mask"
@@ -48,7 +54,11 @@ __all__ = [
 
 _INT_DTYPES = (torch.int32, torch.int64)
 _INT32_MAX = 2**31 - 1
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 _CONSUMED = ("seq_lens", "seq_lens_padded")
+_DROPPED_TE = ("seq_lens", "seq_lens_padded", "attention_mask", "cu_seqlens_padded")  # §7.3 + §7.5 step 6
+# NCP_MIMO_* output bits of csrc/include/ncp/ncp.h
+_OUT_TOKENS, _OUT_POS, _OUT_PAD, _OUT_IMAGE, _OUT_VIDEO = 1, 2, 4, 8, 16
 _last_path = {"path": None, "reason": None}
 
 
@@ -91,79 +101,124 @@ def _resolve_rank(cp_mesh) -> tuple[int, int]:
 
 
 # ------------------------------------------------------------------------------------------
-# the native pass
+# the native call
 # ------------------------------------------------------------------------------------------
 
 
-class _Layout:
-    """Host tables of one call: the C layout pass plus its packed outputs on the right devices."""
+class _Plan:
+    """Carving of the flat output buffer for one shape (``_C.mimo_plan``), with the view specs."""
 
-    def __init__(self, seq_lens, seq_lens_padded, S, num_chunks, cp_size, sentinel, token_device):
-        meta_device = seq_lens_padded.device
-        B = seq_lens_padded.shape[0]
-        if meta_device.type == "cuda":  # the one allowed device-to-host copy
-            n = seq_lens.numel()
-            host = torch.cat([seq_lens.reshape(-1).to(torch.int64), seq_lens_padded.reshape(-1).to(torch.int64)]).cpu()
-            sl_h, slp_h = host[:n].reshape(seq_lens.shape), host[n:].reshape(seq_lens_padded.shape)
-        else:
-            sl_h = seq_lens.to(torch.int64).contiguous()
-            slp_h = seq_lens_padded.to(torch.int64).contiguous()
-        words = _C.mimo_layout_words(B, sl_h.shape[1], slp_h.shape[1], num_chunks)
-        pinned = token_device.type == "cuda" and torch.cuda.is_available()
-        buf = torch.empty(words, dtype=torch.int64, pin_memory=pinned)
-        info = _C.mimo_layout(dl(sl_h), dl(slp_h), dl(buf), S, num_chunks, cp_size, sentinel)
-        (self.kernel_words, cu_off, cu_width, cup_off, cup_width, maxlen_off, emit, total) = info
-        self.emit_padded = bool(emit)
-        # One host-to-device copy carries the kernel table and, when the metadata lives on the
-        # GPU, the host-computed outputs too.
-        if meta_device.type == "cuda":
-            dev_buf = buf[:total].to(meta_device, non_blocking=True)
-            out_buf = dev_buf
-            self.table = dev_buf[: self.kernel_words] if token_device == meta_device else None
-        else:
-            out_buf = buf
-            self.table = None
-        if self.table is None:
-            self.table = buf[: self.kernel_words].to(token_device, non_blocking=True) if token_device.type == "cuda" else buf
-        C = num_chunks
+    __slots__ = ("out_words", "lay_off", "lay_words", "views", "C")
 
-        def i32(off, n, shape):
-            t = out_buf[off : off + (n + 1) // 2].view(torch.int32)[:n].reshape(shape)
-            return t if meta_device.type == "cuda" else t.clone()
-
-        self.cu = i32(cu_off, C * cu_width, (C, cu_width))
-        self.cup = i32(cup_off, C * cup_width, (C, cup_width)) if self.emit_padded else None
-        self.max_seqlen = i32(maxlen_off, C, (C,))
+    def __init__(self, key):
+        B, S, n_real, n_pad, C, W, outputs = key
+        (L, Tc, local, ids, lab, pos, pad, img, vid, self.lay_off, self.lay_words, self.out_words) = _C.mimo_plan(
+            B, S, n_real, n_pad, C, W, outputs
+        )
+        self.C = C
+        tok = ((L,), (1,)) if C == 1 else ((C, L), (L, 1))
+        mask = ((Tc,), (1,)) if C == 1 else ((C, Tc), (Tc, 1))
+        # (name, dtype view, size, stride, offset in elements of that dtype); absent outputs skipped
+        specs = [("local", 0, *tok, local), ("ids", 0, *tok, ids), ("labels", 0, *tok, lab), ("pos", 0, *tok, pos),
+                 ("pad", 1, *tok, pad), ("image", 1, *mask, img), ("video", 1, *mask, vid)]  # fmt: skip
+        self.views = tuple(spec for spec in specs if spec[-1] >= 0)
 
 
-def _fallback_reason(batch, num_chunks, cp_mesh, cp_size, token_ids) -> str | None:
-    """Why this call cannot take the native path (None: it can)."""
+_plans: dict = {}
+
+
+def _plan(key) -> _Plan:
+    plan = _plans.get(key)
+    if plan is None:
+        if len(_plans) >= 256:  # shapes vary per step in some recipes: keep the cache bounded
+            _plans.clear()
+        plan = _plans[key] = _Plan(key)
+    return plan
+
+
+if hasattr(torch._C, "_cuda_getCurrentRawStream"):  # CUDA builds of torch: no Stream object per call
+
+    def _stream(device: torch.device):
+        return torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else None
+
+else:
+
+    def _stream(device: torch.device):
+        return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
+
+
+def _host_metadata(tensors, device):
+    """The ``seq_lens*`` tables of a GPU batch on the host, in ONE device-to-host copy (the call's
+    only host sync); Fallback when they are not integer tables on the device of the tokens."""
+    for t in tensors:
+        if t.device != device or t.dtype not in _INT_DTYPES or t.ndim != 2:
+            raise Fallback("seq_lens / seq_lens_padded live on another device or are not integer tables")
+    host = torch.cat([t.reshape(-1).to(torch.int64) for t in tensors]).cpu()
+    views, start = [], 0
+    for t in tensors:
+        views.append(host[start : start + t.numel()].view(t.shape))
+        start += t.numel()
+    return views
+
+
+def _run(input_ids, labels, pos, sl, slp, C, W, rank, image_id, video_id, outputs, sentinel):
+    """One ``_C.mimo_run``: returns ``(named views of the output buffer, meta views)``."""
+    dev = input_ids.device
+    for t in (input_ids, labels, pos, sl, slp):  # DLPack views carry int32/int64 only; C checks the rest
+        if t is not None and t.dtype not in _INT_DTYPES:
+            raise Fallback("a token or length tensor is not int32/int64")
+    meta_on_gpu = sl.is_cuda or slp.is_cuda
+    if meta_on_gpu:
+        sl, slp = _host_metadata((sl, slp), dev)
+    plan = _plan((input_ids.shape[0], input_ids.shape[1], sl.shape[1], slp.shape[1], C, W, outputs))
+    out = torch.empty(plan.out_words, dtype=torch.int64, device=dev)
+    host = torch.empty(plan.lay_words, dtype=torch.int64) if input_ids.is_cuda and not meta_on_gpu else None
+    try:
+        caps = (to_dlpack(input_ids), to_dlpack(labels), None if pos is None else to_dlpack(pos), to_dlpack(sl),
+                to_dlpack(slp), to_dlpack(out), None if host is None else to_dlpack(host))  # fmt: skip
+    except (BufferError, RuntimeError) as exc:  # e.g. a meta or sparse tensor: the reference decides
+        raise Fallback(f"a tensor cannot cross DLPack: {exc}") from None
+    cu_off, cu_w, cup_off, cup_w, max_off, emit = _C.mimo_run(
+        *caps, C, W, rank, image_id, video_id, sentinel, outputs, _stream(dev)
+    )
+    views = {}  # out and host are fresh (storage offset 0), so plan offsets are storage offsets
+    as_bool = out.view(torch.bool)
+    for name, is_bool, size, stride, offset in plan.views:
+        views[name] = (as_bool if is_bool else out).as_strided(size, stride, offset)
+    src, base = (out, plan.lay_off) if host is None else (host, 0)
+    i32 = src.view(torch.int32)
+
+    def rows(off, width):
+        if C == 1:
+            return i32.as_strided((width,), (1,), 2 * (base + off))
+        return i32.as_strided((C, width), (width, 1), 2 * (base + off))
+
+    meta = {
+        "cu": rows(cu_off, cu_w),
+        "cup": rows(cup_off, cup_w) if emit else None,
+        "max": i32.as_strided((), (), 2 * (base + max_off)) if C == 1 else i32.as_strided((C,), (1,), 2 * (base + max_off)),
+    }
+    return views, meta
+
+
+def _fallback_reason(batch, num_chunks, cp_size) -> str | None:
+    """Why this call cannot take the native path, as far as Python must tell (None: it may). C checks
+    the rest (dtypes, shapes, devices, token ids) and raises ``Fallback`` with its reason."""
     if not isinstance(num_chunks, int) or isinstance(num_chunks, bool) or num_chunks < 1:
         return "num_chunks is not a positive int"
-    input_ids = batch["input_ids"]
-    B, S = input_ids.shape
-    if B % num_chunks or B * S == 0 or input_ids.dtype not in _INT_DTYPES:
-        return "input_ids is empty, not integer, or not divisible into num_chunks"
-    dev = input_ids.device
+    if batch["input_ids"].shape[0] % num_chunks:
+        return "input_ids is not divisible into num_chunks"
     for key in ("labels", "position_ids", "seq_lens"):
         if key not in batch:
             return f"batch has no {key!r}"
-    labels, pos, sl, slp = batch["labels"], batch["position_ids"], batch["seq_lens"], batch["seq_lens_padded"]
-    if not isinstance(labels, torch.Tensor) or labels.dtype not in _INT_DTYPES or tuple(labels.shape) != (B, S):
+    if not isinstance(batch["labels"], torch.Tensor):
         return "labels is not an integer [batch, sequence] tensor"
-    if pos is None:
-        if cp_size > 1 or num_chunks > 1:
-            return "position_ids is None"
-    elif not isinstance(pos, torch.Tensor) or pos.dtype not in _INT_DTYPES or tuple(pos.shape) != (B, S):
+    pos = batch["position_ids"]
+    if pos is not None and not isinstance(pos, torch.Tensor):
         return "position_ids is not an integer [batch, sequence] tensor"
-    if any(t is not None and t.device != dev for t in (labels, pos)):
-        return "token tensors live on different devices"
-    if not isinstance(sl, torch.Tensor) or sl.ndim != 2 or sl.shape[0] != B or sl.dtype not in _INT_DTYPES:
+    sl = batch["seq_lens"]
+    if not isinstance(sl, torch.Tensor) or sl.ndim != 2:
         return "seq_lens is not an integer [batch, documents] tensor"
-    if slp.shape[0] != B or slp.dtype not in _INT_DTYPES:
-        return "seq_lens_padded is not an integer [batch, documents] tensor"
-    if sl.device != slp.device or slp.device not in (dev, torch.device("cpu")):
-        return "seq_lens / seq_lens_padded live on another device"
     if "cu_seqlens_padded" in batch:
         return "the batch already carries cu_seqlens_padded"
     if num_chunks > 1 and any(isinstance(v, torch.Tensor) and v.ndim == 0 for v in batch.values()):
@@ -172,45 +227,15 @@ def _fallback_reason(batch, num_chunks, cp_mesh, cp_size, token_ids) -> str | No
         return "torch.distributed is not initialized"
     if cp_size > _INT32_MAX:
         return "cp_size does not fit in int32"
-    info = torch.iinfo(input_ids.dtype)
-    if any(t is not None and not info.min <= t <= info.max for t in token_ids):
-        return "a media token id does not fit the dtype of input_ids"
     return None
 
 
-def _native_outputs(batch, num_chunks, cp_size, cp_rank, image_id, video_id, sentinel):
-    """Runs the layout pass and the fused shard pass; returns tensors for the output dict."""
-    input_ids, labels, pos = batch["input_ids"], batch["labels"], batch["position_ids"]
-    dev = input_ids.device
-    B, S = input_ids.shape
-    C = num_chunks
-    Tc = B // C * S
-    L = Tc // cp_size if cp_size > 1 else Tc
-    lay = _Layout(batch["seq_lens"], batch["seq_lens_padded"], S, C, cp_size, sentinel, dev)
-    sharded = cp_size > 1
-    new = partial(torch.empty, device=dev)
-    out = {
-        "ids": new((C, L), dtype=torch.int64) if sharded else None,
-        "labels": new((C, L), dtype=torch.int64) if sharded else None,
-        "pos": new((C, L), dtype=torch.int64) if sharded and pos is not None else None,
-        "pad": new((C, L), dtype=torch.bool),
-        "local": new((C, L), dtype=torch.int64),
-        "image": new((C, Tc), dtype=torch.bool) if image_id is not None else None,
-        "video": new((C, Tc), dtype=torch.bool) if video_id is not None else None,
-    }
-    _C.mimo_shard(
-        dl(input_ids), dl(labels), dl(pos if sharded else None), dl(lay.table),
-        dl(out["ids"]), dl(out["labels"]), dl(out["pos"]), dl(out["pad"]), dl(out["local"]),
-        dl(out["image"]), dl(out["video"]), C, cp_size, cp_rank, image_id, video_id, stream_of(dev),
-    )  # fmt: skip
-    return lay, out
+# ------------------------------------------------------------------------------------------
+# the output dict (spec 7.2-7.6)
+# ------------------------------------------------------------------------------------------
 
 
-def _squeeze_chunks(t, num_chunks):
-    return t.reshape(-1) if num_chunks == 1 and t is not None else t
-
-
-def _process_input_view(batch, lay, pad, num_chunks):
+def _process_input_view(batch, meta, pad, num_chunks):
     """``process_input_for_thd`` / ``split_batch_into_thd_chunks`` at cp_size <= 1 (spec 7.2-7.3)."""
     input_ids, labels, pos = batch["input_ids"], batch["labels"], batch["position_ids"]
     B, S = input_ids.shape
@@ -219,13 +244,13 @@ def _process_input_view(batch, lay, pad, num_chunks):
         result = {
             "input_ids": input_ids.reshape(T, -1).squeeze(-1),
             "position_ids": None if pos is None else pos.reshape(-1),
-            "cu_seqlens": lay.cu.reshape(-1),
+            "cu_seqlens": meta["cu"],
             "labels": labels.reshape(T, -1).squeeze(-1),
-            "padding_mask": pad.reshape(-1),
+            "padding_mask": pad,
         }
-        if lay.emit_padded:
-            result["cu_seqlens_padded"] = lay.cup.reshape(-1)
-        result["max_seqlen"] = lay.max_seqlen.reshape(())
+        if meta["cup"] is not None:
+            result["cu_seqlens_padded"] = meta["cup"]
+        result["max_seqlen"] = meta["max"]
         for key, value in batch.items():
             if key not in result and key not in _CONSUMED:
                 result[key] = value
@@ -235,52 +260,47 @@ def _process_input_view(batch, lay, pad, num_chunks):
         "input_ids": input_ids.reshape(C, Tc).clone(),
         "labels": labels.reshape(C, Tc).clone(),
         "position_ids": pos.reshape(C, Tc).clone(),
-        "cu_seqlens": lay.cu,
+        "cu_seqlens": meta["cu"],
         "padding_mask": pad,
     }
-    if lay.emit_padded:
-        stacked["cu_seqlens_padded"] = lay.cup
-    stacked["max_seqlen"] = lay.max_seqlen
-    chunk0_keys = {"input_ids", "position_ids", "cu_seqlens", "labels", "padding_mask", "max_seqlen"}
-    if lay.emit_padded:
-        chunk0_keys.add("cu_seqlens_padded")
+    if meta["cup"] is not None:
+        stacked["cu_seqlens_padded"] = meta["cup"]
+    stacked["max_seqlen"] = meta["max"]
     for key, value in batch.items():  # non-tensor keys of chunk 0's result
-        if key not in chunk0_keys and key not in _CONSUMED and not isinstance(value, torch.Tensor):
+        if key not in stacked and key not in _CONSUMED and not isinstance(value, torch.Tensor):
             stacked[key] = value
-            chunk0_keys.add(key)
     return stacked
 
 
-def _sharded_view(batch, lay, out, num_chunks, cp_size, cp_rank):
+def _sharded_view(batch, views, meta, num_chunks, cp_size, cp_rank):
     """``make_cp_batch_for_te`` output at cp_size > 1 (spec 7.5-7.6)."""
     if num_chunks > 1:
         return {
-            "input_ids": out["ids"],
-            "labels": out["labels"],
-            "position_ids": out["pos"],
-            "cu_seqlens": lay.cu,
-            "max_seqlen": lay.max_seqlen,
+            "input_ids": views["ids"],
+            "labels": views["labels"],
+            "position_ids": views["pos"],
+            "cu_seqlens": meta["cu"],
+            "max_seqlen": meta["max"],
             "qkv_format": "thd",
-            "padding_mask": out["pad"],
+            "padding_mask": views["pad"],
             "cp_size": cp_size,
             "cp_rank": cp_rank,
         }
-    b = _process_input_view(batch, lay, out["pad"], 1)  # key order of process_input_for_thd
-    b.pop("attention_mask", None)
-    b.pop("cu_seqlens_padded", None)
-    b.update(
-        {
-            "input_ids": out["ids"].reshape(-1),
-            "labels": out["labels"].reshape(-1),
-            "position_ids": out["pos"].reshape(-1),
-            "cu_seqlens": lay.cu.reshape(-1),
-            "max_seqlen": lay.max_seqlen.reshape(()),
-            "qkv_format": "thd",
-            "cp_size": cp_size,
-            "cp_rank": cp_rank,
-        }
-    )
-    b["padding_mask"] = out["pad"].reshape(-1)
+    # process_input_for_thd's keys (cu_seqlens_padded popped), then _shard_thd_chunk_for_te's updates
+    b = {
+        "input_ids": views["ids"],
+        "position_ids": views["pos"],
+        "cu_seqlens": meta["cu"],
+        "labels": views["labels"],
+        "padding_mask": views["pad"],
+        "max_seqlen": meta["max"],
+    }
+    for key, value in batch.items():
+        if key not in b and key not in _DROPPED_TE:
+            b[key] = value
+    b["qkv_format"] = "thd"
+    b["cp_size"] = cp_size
+    b["cp_rank"] = cp_rank
     return b
 
 
@@ -302,44 +322,25 @@ def _chunk_partition_indices(
     if input_ids.shape[0] % num_chunks:
         raise ValueError(f"MiMo THD num_chunks={num_chunks} must evenly divide batch size {input_ids.shape[0]}")
     cp_size, cp_rank = _resolve_rank(cp_mesh)
+    kwargs = {"cp_mesh": cp_mesh, "num_chunks": num_chunks, "seq_lens_padding_value": seq_lens_padding_value}
     simple = (
         isinstance(num_chunks, int) and not isinstance(num_chunks, bool) and num_chunks >= 1
-        and padded.dtype in _INT_DTYPES and input_ids.dtype in _INT_DTYPES
-        and isinstance(seq_lens_padding_value, int) and cp_size <= _INT32_MAX
-        and padded.shape[0] == input_ids.shape[0] and input_ids.numel() > 0
-        and padded.device in (input_ids.device, torch.device("cpu"))
+        and isinstance(seq_lens_padding_value, int) and _INT64_MIN <= seq_lens_padding_value <= _INT64_MAX
+        and cp_size <= _INT32_MAX
     )  # fmt: skip
     if not simple:
-        return _ref._chunk_partition_indices(
-            batch, cp_mesh=cp_mesh, num_chunks=num_chunks, seq_lens_padding_value=seq_lens_padding_value
-        )
+        return _ref._chunk_partition_indices(batch, **kwargs)
     B, S = input_ids.shape
     L = (B // num_chunks * S) // max(cp_size, 1)
-    dev = input_ids.device
     if cp_size == 1:
-        idx = torch.arange(L, device=dev, dtype=torch.long)
+        idx = torch.arange(L, device=input_ids.device, dtype=torch.long)
         return idx if num_chunks == 1 else idx.expand(num_chunks, L).clone()
-    try:
-        lay = _Layout(padded, padded, S, num_chunks, cp_size, seq_lens_padding_value, dev)
+    try:  # local indices only; input_ids stands in for the token inputs that are not gathered
+        views, _ = _run(input_ids, input_ids, input_ids, padded, padded, num_chunks, cp_size, cp_rank, None, None, 0,
+                        seq_lens_padding_value)  # fmt: skip
     except Fallback:
-        return _ref._chunk_partition_indices(
-            batch, cp_mesh=cp_mesh, num_chunks=num_chunks, seq_lens_padding_value=seq_lens_padding_value
-        )
-    local = torch.empty((num_chunks, L), dtype=torch.int64, device=dev)
-    _partition_only(input_ids, lay, local, num_chunks, cp_size, cp_rank)
-    return local[0] if num_chunks == 1 else local
-
-
-def _partition_only(input_ids, lay, local, num_chunks, cp_size, cp_rank):
-    """Fills ``local`` with the DualChunkSwap indices of every chunk (one fused pass)."""
-    dev = input_ids.device
-    C, L = local.shape
-    ids = torch.empty((C, L), dtype=torch.int64, device=dev)
-    pad = torch.empty((C, L), dtype=torch.bool, device=dev)
-    _C.mimo_shard(
-        dl(input_ids), dl(input_ids), None, dl(lay.table), dl(ids), dl(ids), None, dl(pad), dl(local),
-        None, None, num_chunks, cp_size, cp_rank, None, None, stream_of(dev),
-    )  # fmt: skip
+        return _ref._chunk_partition_indices(batch, **kwargs)
+    return views["local"]
 
 
 def shard_batch_for_mimo_te(
@@ -356,7 +357,8 @@ def shard_batch_for_mimo_te(
 ):
     """Native ``shard_batch_for_mimo_te``: ``(contextlib.nullcontext, prepared_batch, layout)``.
 
-    At most one blocking host sync per call (the copy of ``seq_lens*`` when they live on a GPU).
+    One call into C. Host syncs: none with ``seq_lens*`` on the CPU, one (their copy to the host)
+    when they live on a GPU.
     """
     del tp_mesh
     _last_path.update(path=None, reason=None)  # an error raised before a path is chosen reports None
@@ -373,8 +375,8 @@ def shard_batch_for_mimo_te(
     position_ids = batch.get("position_ids")
     if num_chunks > 1 and isinstance(position_ids, torch.Tensor) and position_ids.ndim != 2:
         raise ValueError("MiMo THD pipeline parallelism currently requires one-dimensional position_ids")
-    if model is not None:
-        _compat.ensure_mimo_te_context_parallel(model, cp_mesh)
+    if model is not None:  # looked up on upstream's cp module at call time, as upstream does
+        _ref.ensure_mimo_te_context_parallel(model, cp_mesh)
 
     def reference(reason):
         _last_path.update(path="reference", reason=reason)
@@ -387,31 +389,35 @@ def shard_batch_for_mimo_te(
     if not isinstance(padded, torch.Tensor) or padded.ndim != 2:
         return reference("seq_lens_padded is not a 2-D tensor")
     try:
-        token_ids = tuple(None if t is None else operator.index(t) for t in (image_token_id, video_token_id))
+        image_id = None if image_token_id is None else operator.index(image_token_id)
+        video_id = None if video_token_id is None else operator.index(video_token_id)
     except TypeError:
         return reference("a media token id is not an int")
     cp_size, cp_rank = _resolve_rank(cp_mesh)
-    reason = _fallback_reason(batch, num_chunks, cp_mesh, cp_size, token_ids)
+    reason = _fallback_reason(batch, num_chunks, cp_size)
     if reason is not None:
         return reference(reason)
-    if cp_size > 1:
-        cp_rank = dist.get_rank(group=cp_mesh.get_group())
     pp_media = batch.get(_VLM_PP_MEDIA_KEY)
+    sharded = cp_size > 1
+    outputs = _OUT_PAD | (0 if image_id is None else _OUT_IMAGE) | (0 if video_id is None else _OUT_VIDEO)
+    if sharded:
+        outputs |= _OUT_TOKENS | (0 if position_ids is None else _OUT_POS)
     _last_path.update(path="native", reason=None)  # also when the native validation raises
     try:
-        lay, out = _native_outputs(batch, num_chunks, cp_size, cp_rank, *token_ids, _SEQ_LENS_PADDING_VALUE)
+        views, meta = _run(input_ids, batch["labels"], position_ids, batch["seq_lens"], padded, num_chunks, cp_size,
+                           cp_rank, image_id, video_id, outputs, _SEQ_LENS_PADDING_VALUE)  # fmt: skip
     except Fallback as exc:
         return reference(str(exc))
-    if cp_size > 1:
-        prepared = _sharded_view(batch, lay, out, num_chunks, cp_size, cp_rank)
+    if sharded:
+        prepared = _sharded_view(batch, views, meta, num_chunks, cp_size, cp_rank)
     else:
-        prepared = _process_input_view(batch, lay, _squeeze_chunks(out["pad"], num_chunks), num_chunks)
-    local = _squeeze_chunks(out["local"], num_chunks)
+        prepared = _process_input_view(batch, meta, views["pad"], num_chunks)
+    local = views["local"]
     prepared[_MIMO_THD_LOCAL_INDICES] = local
-    if out["image"] is not None:
-        prepared[_MIMO_GLOBAL_IMAGE_MASK] = _squeeze_chunks(out["image"], num_chunks)
-    if out["video"] is not None:
-        prepared[_MIMO_GLOBAL_VIDEO_MASK] = _squeeze_chunks(out["video"], num_chunks)
+    if image_id is not None:
+        prepared[_MIMO_GLOBAL_IMAGE_MASK] = views["image"]
+    if video_id is not None:
+        prepared[_MIMO_GLOBAL_VIDEO_MASK] = views["video"]
     if pp_media is not None:
         prepared[_VLM_PP_MEDIA_KEY] = pp_media
     layout = None

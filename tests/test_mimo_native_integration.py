@@ -6,8 +6,9 @@
    ``gather_token_tensor`` undoes the shard.
 2. ``make_mimo_te_cp_sharder`` unbound and rebound to a mesh, with a model (setup side effect,
    token verbs); parity with upstream's own ``shard_batch_for_mimo_te`` on a handful of matrix cases;
+   ``ensure_mimo_te_context_parallel`` looked up on upstream's ``cp`` module at call time;
    ``nemo_cp_native.patch()`` / ``unpatch()`` / ``patched()`` swap and restore upstream's names.
-3. The fused shard pass writes every element of its outputs and nothing around them (STYLE 12).
+3. The one native call writes every element of its outputs and nothing around them (STYLE 12).
 4. CUDA (``@pytest.mark.cuda``): native on CUDA == native on CPU == oracle; devices of the outputs,
    with the metadata on the GPU or on the CPU; CPU/GPU mixes; the host-sync budget (at most 1 per
    call, 0 with the metadata on the CPU, while the reference makes many), and that the call does
@@ -42,7 +43,6 @@ from _upstream import (
 import nemo_cp_native
 from nemo_cp_native import _C, _compat
 from nemo_cp_native import mimo as nat
-from nemo_cp_native._ops import dl, stream_of
 from nemo_cp_native.reference import mimo as ref
 from nemo_cp_native.testing import make_mimo_batch
 
@@ -181,6 +181,55 @@ def test_upstream_parity(B, C, cp, ncp_seed):
 
 
 @upstream
+def test_ensure_is_looked_up_on_upstreams_cp_module(monkeypatch, ncp_seed):
+    """Issue 17: upstream's ``shard_batch_for_mimo_te`` calls the ``ensure_mimo_te_context_parallel``
+    that its ``cp`` module holds at call time; so do ours (function, sharder, patched upstream name),
+    so a monkeypatch of ``cp.ensure_mimo_te_context_parallel`` reaches all of them, and one of
+    ``parallelization.ensure_mimo_te_context_parallel`` (where we used to read it) reaches none."""
+    import importlib
+
+    up_cp = upstream_modules()[0]
+    up_par = importlib.import_module(up_cp.__name__.rsplit(".", 1)[0] + ".parallelization")
+    batch = make_mimo_batch(4, 16, num_chunks=1, cp_size=2, generator=gen(ncp_seed), image_token_id=IMG)
+    mesh = FakeCPMesh(2, 1)
+    monkeypatch.setattr(up_par, "ensure_mimo_te_context_parallel", lambda *a: pytest.fail("parallelization's copy"))
+
+    def via_sharder(cp_mesh, tp_mesh, b, *, model, **kw):
+        return nat.make_mimo_te_cp_sharder(model=model, num_chunks=1, **kw).shard_batch(cp_mesh, tp_mesh, b)
+
+    def via_patched_upstream(*args, **kw):
+        with nemo_cp_native.patched():
+            assert up_cp.shard_batch_for_mimo_te is nat.shard_batch_for_mimo_te
+            return up_cp.shard_batch_for_mimo_te(*args, **kw)
+
+    entries = {"upstream": up_cp.shard_batch_for_mimo_te, "native": nat.shard_batch_for_mimo_te,
+               "sharder": via_sharder, "patched": via_patched_upstream}  # fmt: skip
+    for name, entry in entries.items():
+        calls, model = [], object()
+        monkeypatch.setattr(up_cp, "ensure_mimo_te_context_parallel", lambda m, c: calls.append((m, c)))  # noqa: B023
+        with fake_dist(mesh), fake_transformer_engine():
+            out = entry(mesh, None, dict(batch), model=model, image_token_id=IMG, video_token_id=None)
+        assert calls == [(model, mesh)], name
+        assert out[1]["cp_rank"] == 1
+
+
+def test_ensure_without_upstream_runs_the_stand_in(monkeypatch, ncp_seed):
+    """Without an importable upstream ``cp`` module the package's stand-in runs, also looked up at call time."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, ref._UPSTREAM_CP, None)  # import fails as if upstream were absent
+    monkeypatch.setattr(ref, "_no_upstream_cp", [])
+    calls = []
+    monkeypatch.setattr(_compat, "ensure_mimo_te_context_parallel", lambda m, c: calls.append((m, c)))
+    batch = make_mimo_batch(4, 16, num_chunks=1, cp_size=2, generator=gen(ncp_seed))
+    mesh, model = FakeCPMesh(2, 0), object()
+    with fake_dist(mesh):
+        nat.shard_batch_for_mimo_te(mesh, None, dict(batch), model=model)
+        nat.shard_batch_for_mimo_te(mesh, None, dict(batch), model=model)
+    assert calls == [(model, mesh)] * 2 and ref._no_upstream_cp == [True]
+
+
+@upstream
 def test_patch_and_unpatch():
     import sys
 
@@ -212,60 +261,68 @@ def test_patch_and_unpatch():
 
 
 # =============================================================================================
-# 3. Output guards of the fused shard pass
+# 3. Output guards of the one native call
 # =============================================================================================
 
-POISON_I64, POISON_U8 = -0x7FFF_FFFF_FFFF_FFF0, 0xA5
-GUARD = 9
+PATTERN = 0xA5  # every byte of the poisoned buffers; no int64 output and no bool byte can hold it
+GUARD = 9  # int64 words of guard band on each side
 
 
-def _guarded(n, dtype, device):
-    """(buffer, output view): ``n`` poisoned elements with poisoned guard bands on both sides."""
-    if dtype == torch.bool:
-        buf = torch.full((n + 2 * GUARD,), POISON_U8, dtype=torch.uint8, device=device)
-        return buf, buf[GUARD : GUARD + n].view(torch.bool)
-    buf = torch.full((n + 2 * GUARD,), POISON_I64, dtype=torch.int64, device=device)
-    return buf, buf[GUARD : GUARD + n]
+def _guarded(words, device):
+    """(buffer, view): ``words`` poisoned int64 words with poisoned guard bands on both sides."""
+    buf = torch.full(((words + 2 * GUARD) * 8,), PATTERN, dtype=torch.uint8, device=device).view(torch.int64)
+    return buf, buf[GUARD : GUARD + words]
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize(
+    "device,meta", [("cpu", "cpu"), pytest.param("cuda", "cpu", marks=pytest.mark.cuda),
+                    pytest.param("cuda", "cuda", marks=pytest.mark.cuda)],
+    ids=["cpu", "cuda_meta_cpu", "cuda_meta_cuda"],
+)  # fmt: skip
 @pytest.mark.parametrize("cp,C", [(1, 1), (1, 2), (2, 1), (4, 4), (8, 2)])
-def test_shard_pass_writes_every_output_and_nothing_else(cp, C, device, ncp_seed):
+def test_one_call_writes_every_output_and_nothing_else(cp, C, device, meta, ncp_seed):
+    """``_C.mimo_run`` into a poisoned buffer inside guard bands (STYLE 12): every element of every
+    output is written, nothing outside ``out`` / ``host`` is, and the values are the sharder's."""
+    from torch.utils.dlpack import to_dlpack
+
     g = gen(ncp_seed)
     batch, _, _ = draw_case(g, B=4, C=C, cp=cp, S=2 * cp * 3, image_token_id=IMG, video_token_id=VID)
-    batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    batch = {k: v.to(meta if k in META else device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
     ids, labels, pos = batch["input_ids"], batch["labels"], batch["position_ids"]
-    B, S = ids.shape
-    Tc = B // C * S
-    L = Tc // cp
     rank = int(torch.randint(0, cp, (), generator=g))
-    lay = nat._Layout(batch["seq_lens"], batch["seq_lens_padded"], S, C, cp, -1000, ids.device)
-    sizes = {"ids": (C * L, torch.int64), "labels": (C * L, torch.int64), "pos": (C * L, torch.int64),
-             "pad": (C * L, torch.bool), "local": (C * L, torch.int64), "image": (C * Tc, torch.bool),
-             "video": (C * Tc, torch.bool)}  # fmt: skip
-    if cp == 1:
-        sizes = {k: v for k, v in sizes.items() if k not in ("ids", "labels", "pos")}
-    bufs = {k: _guarded(n, dt, device) for k, (n, dt) in sizes.items()}
-    o = {k: bufs[k][1] if k in bufs else None for k in ("ids", "labels", "pos", "pad", "local", "image", "video")}
-    _C.mimo_shard(
-        dl(ids), dl(labels), dl(pos if cp > 1 else None), dl(lay.table), dl(o["ids"]), dl(o["labels"]), dl(o["pos"]),
-        dl(o["pad"]), dl(o["local"]), dl(o["image"]), dl(o["video"]), C, cp, rank, IMG, VID, stream_of(ids.device),
-    )  # fmt: skip
-    for k, (buf, _) in bufs.items():
-        body = buf[GUARD:-GUARD]
-        poison = POISON_U8 if buf.dtype == torch.uint8 else POISON_I64
-        assert (buf[:GUARD] == poison).all() and (buf[-GUARD:] == poison).all(), f"{k}: wrote outside its output"
-        assert (body <= 1).all() if buf.dtype == torch.uint8 else (body != poison).all(), f"{k}: element not written"
+    outputs = nat._OUT_PAD | nat._OUT_IMAGE | nat._OUT_VIDEO | (nat._OUT_TOKENS | nat._OUT_POS if cp > 1 else 0)
+    assert pos is not None or cp == 1  # draw_case leaves position_ids out only where upstream allows it
+    sl, slp = (batch[k].cpu() for k in META)
+    plan = nat._plan((4, ids.shape[1], sl.shape[1], slp.shape[1], C, cp, outputs))
+    out_buf, out = _guarded(plan.out_words, device)
+    host_buf, host = _guarded(plan.lay_words, "cpu") if (device, meta) == ("cuda", "cpu") else (None, None)
+    info = _C.mimo_run(to_dlpack(ids), to_dlpack(labels), None if pos is None else to_dlpack(pos), to_dlpack(sl),
+                       to_dlpack(slp),
+                       to_dlpack(out), None if host is None else to_dlpack(host), C, cp, rank, IMG, VID, -1000,
+                       outputs, nat._stream(ids.device))  # fmt: skip
+    poison = int(torch.full((8,), PATTERN, dtype=torch.uint8).view(torch.int64))
+    for buf in (out_buf, host_buf):
+        if buf is not None:
+            assert (buf[:GUARD] == poison).all() and (buf[-GUARD:] == poison).all(), "wrote outside the buffer"
+    got = {}
+    for name, is_bool, size, stride, offset in plan.views:
+        base = out.view(torch.bool) if is_bool else out
+        view = base.as_strided(size, stride, base.storage_offset() + offset)  # out sits inside the guards
+        raw = view.view(torch.uint8) if is_bool else view
+        assert ((raw <= 1) if is_bool else (raw != poison)).all(), f"{name}: element not written"
+        got[name] = view
+    total = info[4] + (C + 1) // 2  # maxlen_off + its words: the end of the layout block
+    if host is not None:
+        assert (host[:total] != poison).any() and (host[total:] == poison).all()
     mesh = FakeCPMesh(cp, rank)
     with fake_dist(mesh):
-        out = nat.shard_batch_for_mimo_te(mesh, None, dict(batch), num_chunks=C, image_token_id=IMG,
-                                          video_token_id=VID)[1]  # fmt: skip
+        _, want, _ = ref.shard_batch_for_mimo_te(mesh, None, _to(batch, "cpu"), num_chunks=C, image_token_id=IMG,
+                                                 video_token_id=VID)  # fmt: skip
     expect = {"local": "_mimo_thd_local_indices", "pad": "padding_mask", "image": "_mimo_global_image_mask",
-              "video": "_mimo_global_video_mask", "ids": "input_ids", "labels": "labels",
-              "pos": "position_ids"}  # fmt: skip
-    for k, key in expect.items():
-        if k in bufs:
-            assert torch.equal(bufs[k][1].cpu(), out[key].reshape(-1).to(bufs[k][1].dtype).cpu()), k
+              "video": "_mimo_global_video_mask", "ids": "input_ids", "labels": "labels", "pos": "position_ids"}
+    for name, view in got.items():
+        w = want[expect[name]]
+        assert torch.equal(view.cpu(), w.reshape(view.shape).to(view.dtype)), name
 
 
 # =============================================================================================
@@ -361,46 +418,90 @@ def test_cuda_device_mixes(where, cp, ncp_seed):
         assert_same_outcome(r, n)
 
 
+SYNC_CASES = [(8, 1, 128), (8, 4, 128), (1, 2, 16), (4, 2, 64), (8, 1, 32768), (8, 4, 32768)]
+
+
 @pytest.mark.cuda
-@pytest.mark.parametrize("cp,C", [(8, 1), (8, 4), (1, 2)])
-def test_cuda_host_sync_budget(cp, C, ncp_seed):
-    """At most one synchronizing operation per call (none with seq_lens* on the CPU); the reference makes many."""
+@pytest.mark.parametrize("cp,C,S", SYNC_CASES, ids=[f"cp{cp}-C{C}-S{S}" for cp, C, S in SYNC_CASES])
+def test_cuda_host_sync_budget(cp, C, S, ncp_seed):
+    """Issue 16's budget, through ``shard_batch_for_mimo_te`` and through the sharder that
+    ``make_mimo_te_cp_sharder`` builds (bound to the mesh as the framework does): not one sync with
+    ``seq_lens*`` on the CPU (``set_sync_debug_mode("error")`` around the call), at most one with them
+    on the GPU, B=8 up to S=32768 and every num_chunks; the reference makes many."""
     g = gen(ncp_seed)
-    batch, opts, _ = draw_case(g, B=8, C=C, cp=cp, S=2 * cp * 8, image_token_id=IMG, video_token_id=VID)
+    docs = (16, 64) if S > 1024 else (1, 4)
+    batch = make_mimo_batch(8, S, num_chunks=C, cp_size=cp, docs_per_row=docs, image_token_id=IMG, video_token_id=VID,
+                            generator=g, min_doc=True)  # fmt: skip
+    opts = {"num_chunks": C, "image_token_id": IMG, "video_token_id": VID}
     mesh = FakeCPMesh(cp, 3 % cp)
+    sharder = nat.make_mimo_te_cp_sharder(model=None, **opts)
+    bound = _compat.ContextParallelSharder(device_mesh=mesh, shard_batch=sharder.shard_batch,
+                                           local_token_global_indices=None, shard_layout=None)  # fmt: skip
+    calls = {"function": lambda b: nat.shard_batch_for_mimo_te(mesh, None, b, **opts)[1],
+             "sharder": lambda b: bound.shard(b)[1]}  # fmt: skip
     with fake_dist(mesh):
-        for keep, budget in (((), 1), (META, 0)):
-            batch_gpu = _to(batch, "cuda", keep)
-            nat.shard_batch_for_mimo_te(mesh, None, dict(batch_gpu), **opts)  # warm up
-            assert nat.fast_path_info()["path"] == "native"
-            one_call = lambda: nat.shard_batch_for_mimo_te(mesh, None, dict(batch_gpu), **opts)  # noqa: B023, E731
-            assert _count_syncs(one_call) <= budget
-        torch.cuda.set_sync_debug_mode("error")  # metadata on the CPU: not one sync
-        try:
-            out = nat.shard_batch_for_mimo_te(mesh, None, dict(batch_gpu), **opts)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-        if cp == 8:  # the count can fail: the reference path syncs several times per chunk
+        want = ref.shard_batch_for_mimo_te(mesh, None, dict(batch), **opts)[1]
+        for keep, budget in ((META, 0), ((), 1)):
+            gpu = _to(batch, "cuda", keep)
+            for name, fn in calls.items():
+                fn(dict(gpu))  # warm up (plan cache, staging slots, allocator)
+                torch.cuda.synchronize()
+                if budget == 0:
+                    torch.cuda.set_sync_debug_mode("error")
+                    try:
+                        out = fn(dict(gpu))
+                    finally:
+                        torch.cuda.set_sync_debug_mode(0)
+                else:
+                    assert _count_syncs(lambda: fn(dict(gpu))) <= budget, (name, keep)  # noqa: B023
+                    out = fn(dict(gpu))
+                assert nat.fast_path_info()["path"] == "native", (name, nat.fast_path_info())
+                assert_same(_to(out, "cpu"), want)
+        if cp == 8 and S <= 1024:  # the count can fail: the reference path syncs several times per chunk
             gpu = _to(batch, "cuda")
             assert _count_syncs(lambda: ref.shard_batch_for_mimo_te(mesh, None, dict(gpu), **opts)) >= 5 * C
-        want = ref.shard_batch_for_mimo_te(mesh, None, dict(batch), **opts)
-    assert_same(_to(out, "cpu"), want)
 
 
 @pytest.mark.cuda
-def test_cuda_call_does_not_wait_for_the_gpu(ncp_seed):
-    """With seq_lens* on the CPU the call returns while earlier GPU work is still running."""
+@pytest.mark.parametrize("S,C", [(4096, 2), (32768, 1), (32768, 4)])
+def test_cuda_call_does_not_wait_for_the_gpu(S, C, ncp_seed):
+    """With seq_lens* on the CPU the call returns while earlier GPU work is still running, and its
+    host time is far below the queued GPU work (a sync would wait about a second)."""
+    import time
+
     g = gen(ncp_seed)
-    batch = make_mimo_batch(8, 4096, num_chunks=2, cp_size=8, docs_per_row=(4, 16), generator=g, image_token_id=IMG)
+    batch = make_mimo_batch(8, S, num_chunks=C, cp_size=8, docs_per_row=(4, 64), generator=g, image_token_id=IMG)
     gpu = _to(batch, "cuda", META)
     mesh = FakeCPMesh(8, 5)
     with fake_dist(mesh):
-        nat.shard_batch_for_mimo_te(mesh, None, dict(gpu), num_chunks=2, image_token_id=IMG)  # warm up
+        nat.shard_batch_for_mimo_te(mesh, None, dict(gpu), num_chunks=C, image_token_id=IMG)  # warm up
         torch.cuda.synchronize()
         torch.cuda._sleep(2_000_000_000)  # about a second of GPU spinning, queued on the current stream
-        out = nat.shard_batch_for_mimo_te(mesh, None, dict(gpu), num_chunks=2, image_token_id=IMG)
+        t0 = time.perf_counter()
+        out = nat.shard_batch_for_mimo_te(mesh, None, dict(gpu), num_chunks=C, image_token_id=IMG)
+        host_s = time.perf_counter() - t0
         still_busy = not torch.cuda.current_stream().query()
         torch.cuda.synchronize()
-        want = ref.shard_batch_for_mimo_te(mesh, None, dict(batch), num_chunks=2, image_token_id=IMG)
-    assert still_busy, "shard_batch_for_mimo_te waited for the GPU"
+        want = ref.shard_batch_for_mimo_te(mesh, None, dict(batch), num_chunks=C, image_token_id=IMG)
+    assert still_busy and host_s < 0.1, f"shard_batch_for_mimo_te waited for the GPU ({host_s * 1e3:.1f} ms)"
     assert_same(_to(out, "cpu"), want)
+
+
+@pytest.mark.cuda
+def test_cuda_staging_ring_under_a_deep_queue(ncp_seed):
+    """More calls queued behind a GPU spin than the pinned staging ring has slots per device (32):
+    no slot is rewritten before its copy to the GPU has run (each call keeps its own table), and the
+    calls beyond the ring wait for the oldest copy instead of corrupting it."""
+    n = 40
+    batches = [make_mimo_batch(4, 64, num_chunks=2, cp_size=2, docs_per_row=(1, 6), generator=gen(ncp_seed + i),
+                               image_token_id=IMG) for i in range(n)]  # fmt: skip
+    mesh = FakeCPMesh(2, 1)
+    with fake_dist(mesh):
+        gpu = [_to(b, "cuda", META) for b in batches]
+        torch.cuda.synchronize()
+        torch.cuda._sleep(400_000_000)  # ~0.2 s: every copy below queues behind it
+        outs = [nat.shard_batch_for_mimo_te(mesh, None, dict(b), num_chunks=2, image_token_id=IMG)[1] for b in gpu]
+        torch.cuda.synchronize()
+        for b, out in zip(batches, outs):
+            want = ref.shard_batch_for_mimo_te(mesh, None, dict(b), num_chunks=2, image_token_id=IMG)[1]
+            assert_same(_to(out, "cpu"), want)

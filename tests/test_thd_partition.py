@@ -9,11 +9,16 @@
 3. Every validation error, with a message naming the argument.
 4. A hypothesis property test.
 5. CUDA (``@pytest.mark.cuda``): CUDA == CPU == oracle, output device, host syncs.
+6. Integer hygiene (issue 17): the binary search past 2^30 entries (a segfault before), TE's int32
+   wraparound on boundaries near the int32 limits, ``thd_partition_validate`` with ``total_tokens``,
+   arguments beyond int64 named in the error.
 """
 
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -318,3 +323,110 @@ def test_cuda_host_syncs():
     assert torch.equal(out.cpu(), te_oracle(cu.cpu(), 120, 4, 1))
     with pytest.raises(ValueError, match="divisible by 2 \\* cp_size"):
         thd_partition_indices(i32([0, 6, 8]).cuda(), 8, 2, 0)
+
+
+# =============================================================================================
+# 6. Integer hygiene (issue 17)
+# =============================================================================================
+
+# The smallest table whose int32 midpoint overflows: with n_cu = 2^30 + 2 entries the search bounds
+# reach left + right >= 2^31 (all-zero boundaries make TE's search climb to the last entry). The
+# 4 GiB table is a private read-only anonymous mapping: its pages all read as the kernel's shared
+# zero page, so it costs no memory. The old code read ~4 GiB before the table and crashed.
+_HUGE_CU_CPU = r"""
+import mmap, warnings, torch
+import nemo_cp_native as ncp
+n = 2**30 + 2
+buf = mmap.mmap(-1, 4 * n, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ)
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # frombuffer warns that the mapping is read-only: we only read it
+    cu = torch.frombuffer(buf, dtype=torch.int32)
+assert cu.numel() == n
+print(ncp.thd_partition_indices(cu, 8, 2, 1, validate=False).tolist())
+"""
+
+_HUGE_CU_CUDA = r"""
+import torch
+import nemo_cp_native as ncp
+cu = torch.zeros(2**30 + 2, dtype=torch.int32, device="cuda")  # 4 GiB on the device
+out = ncp.thd_partition_indices(cu, 8, 2, 1, validate=False)
+torch.cuda.synchronize()
+print(out.cpu().tolist())
+"""
+
+
+def _run_isolated(code):
+    """``code`` in a fresh interpreter: a crash fails the test instead of taking the suite down."""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"exit {proc.returncode}: {proc.stderr[-3000:]}"
+    return proc.stdout.strip().splitlines()[-1]
+
+
+def test_search_past_2_pow_30_entries():
+    """A 2^30 + 2 entry ``cu_seqlens``: the int64 midpoint finds the last document, as a short
+    all-zero table does (the search ends on the last entry either way)."""
+    want = te_oracle(i32([0] * 7), 8, 2, 1).tolist()
+    assert _run_isolated(_HUGE_CU_CPU) == str(want)
+
+
+@pytest.mark.cuda
+def test_cuda_search_past_2_pow_30_entries():
+    want = te_oracle(i32([0] * 7), 8, 2, 1).tolist()
+    assert _run_isolated(_HUGE_CU_CUDA) == str(want)
+
+
+I32_MIN, I32_MAX = -(2**31), 2**31 - 1
+EXTREME = [  # (cu_seqlens, total_tokens, cp): boundaries where TE's int32 arithmetic wraps
+    ([I32_MIN, I32_MAX], 2, 1),
+    ([I32_MAX, I32_MIN], 4, 1),
+    ([0, I32_MAX, I32_MIN, I32_MAX], 8, 2),
+    ([I32_MIN, 0, I32_MAX], 2**31 - 2, 2**30 - 1),
+    ([I32_MIN, I32_MAX, I32_MAX], 12, 3),
+    ([2**30, I32_MIN + 6, 2**31 - 8, -8], 16, 4),
+]
+
+
+@pytest.mark.parametrize("case", EXTREME, ids=[str(c[0]) for c in EXTREME])
+def test_int32_wraparound_is_tes(case):
+    """``validate=False`` on boundaries near the int32 limits: TE's answer (its ``int`` arithmetic wraps
+    mod 2^32; the oracle wraps at the same steps), computed in C with explicit unsigned wraparound
+    (no signed overflow, so no reliance on -fwrapv). Wrapping once at the end of an int64
+    computation gives the same bits: a span can pass int32 only at cp = 1, where the tail offset,
+    the one factor that meets a division, is 0."""
+    cu, total, cp = case
+    for rank in sorted({0, cp // 2, cp - 1}):
+        got = thd_partition_indices(i32(cu), total, cp, rank, validate=False)
+        assert torch.equal(got, te_oracle(i32(cu), total, cp, rank)), (cu, rank)
+
+
+def test_validate_with_total_tokens():
+    """``_C.thd_partition_validate(cu, cp_size, total_tokens)`` (the call behind
+    ``thd_partition_indices(..., validate=True)``) rejects ``cu_seqlens[-1] > total_tokens``,
+    which TE answers with indices past the stream; the 2-argument form keeps its old checks."""
+    cu = i32([0, 8, 16])
+    _C.thd_partition_validate(dl(cu), 2)
+    for total in (16, 24, 2**40):
+        _C.thd_partition_validate(dl(cu), 2, total)
+    for total in (8, 0, -16):
+        with pytest.raises(ValueError, match=rf"cu_seqlens\[-1\] must not exceed total_tokens: cu_seqlens\[-1\]=16 "
+                                             rf"> total_tokens={total}"):  # fmt: skip
+            _C.thd_partition_validate(dl(cu), 2, total)
+    with pytest.raises(ValueError, match=r"divisible by 2 \* cp_size \(4\)"):  # the old checks come first
+        _C.thd_partition_validate(dl(i32([0, 6, 64])), 2, 8)
+    with pytest.raises(ValueError, match=r"total_tokens=.* does not fit in int64"):
+        _C.thd_partition_validate(dl(cu), 2, 2**63)
+    with pytest.raises(TypeError, match=r"takes 2 or 3 arguments \(4 given\)"):
+        _C.thd_partition_validate(dl(cu), 2, 16, 1)
+
+
+@pytest.mark.parametrize("arg", ["total_tokens", "cp_size", "cp_rank"])
+@pytest.mark.parametrize("value", [2**63, -(2**63) - 1, 2**100])
+def test_out_of_range_ints_name_their_argument(arg, value):
+    """An int beyond int64 is a ValueError naming the argument (was ``OverflowError: int too big to
+    convert``), both through the public function and at the C boundary."""
+    cu, out = i32([0, 8]), torch.empty(4, dtype=torch.int32)
+    kw = {"total_tokens": 8, "cp_size": 2, "cp_rank": 0, arg: value}
+    with pytest.raises((ValueError, TypeError), match=arg):
+        thd_partition_indices(cu, kw["total_tokens"], kw["cp_size"], kw["cp_rank"])
+    with pytest.raises(ValueError, match=rf"^{arg}=.* does not fit in int(32|64)$"):
+        _C.thd_partition(dl(cu), dl(out), kw["total_tokens"], kw["cp_size"], kw["cp_rank"], None)

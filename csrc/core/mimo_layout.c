@@ -13,6 +13,13 @@
  *
  * Output: buf[0, kernel_words) is the kernel table (see thd_layout.h), followed by the int32
  * outputs, each a contiguous row-major block whose word offset is reported in ncp_mimo_layout_info.
+ *
+ * Also here: ncp_mimo_plan_make, the carving of the one flat output buffer of a sharder call
+ * (token outputs, masks, layout block), a pure function of the shapes that Python caches.
+ *
+ * Wraparound: the reference's int64 cumsum and int32 casts wrap on absurd length tables (values
+ * near 2^31 or 2^63); we reproduce that with the explicit helpers of thd_layout.h (two's
+ * complement, mod 2^32 / 2^64), so the result is defined without -fwrapv.
  */
 #include <inttypes.h>
 #include <stdio.h>
@@ -64,21 +71,27 @@ static ncp_status fail_divisible(const int32_t *lens, int64_t n, int64_t divisor
     return st;
 }
 
-/* Copies the non-sentinel entries of rows [r0, r1) of a (B, ncol) row-major table. */
-static int64_t filter_rows(const int64_t *tab, int64_t ncol, int64_t r0, int64_t r1, int64_t sentinel, int64_t *out) {
+/* Copies the non-sentinel entries of rows [r0, r1) of a (B, ncol) int32/int64 table with element
+ * strides (st0, st1), widened to int64 (values and comparison as torch's after .to(int64)). */
+static int64_t filter_rows(const void *tab, ncp_dtype dt, int64_t st0, int64_t st1, int64_t ncol, int64_t r0,
+                           int64_t r1, int64_t sentinel, int64_t *out) {
     int64_t n = 0;
-    for (int64_t i = r0 * ncol; i < r1 * ncol; ++i)
-        if (tab[i] != sentinel) out[n++] = tab[i];
+    for (int64_t row = r0; row < r1; ++row)
+        for (int64_t col = 0; col < ncol; ++col) {
+            int64_t off = row * st0 + col * st1;
+            int64_t v = dt == NCP_DT_I64 ? ((const int64_t *)tab)[off] : (int64_t)((const int32_t *)tab)[off];
+            if (v != sentinel) out[n++] = v;
+        }
     return n;
 }
 
 /* MiMo's _chunk_partition_indices checks for one chunk; writes the int32 boundaries TE receives. */
 static ncp_status mimo_validate_chunk(const int64_t *vals, int64_t n, int64_t tokens, int32_t W,
-                                      int32_t *lens, int32_t *cu) {
+                                      int32_t *lens, int32_t *cu, int *exact) {
     int bad = (n == 0);
     int64_t sum = 0;
     for (int64_t i = 0; i < n; ++i) {
-        lens[i] = (int32_t)vals[i];
+        lens[i] = ncp_wrap_i32((uint32_t)vals[i]); /* .to(torch.int32): the low 32 bits */
         bad |= lens[i] <= 0;
         sum += lens[i];
     }
@@ -92,24 +105,31 @@ static ncp_status mimo_validate_chunk(const int64_t *vals, int64_t n, int64_t to
     for (int64_t i = 0; i < n; ++i)
         if (lens[i] % div != 0) return fail_divisible(lens, n, div);
     cu[0] = 0;
-    for (int64_t i = 0; i < n; ++i) cu[i + 1] = (int32_t)((uint32_t)cu[i] + (uint32_t)lens[i]);
+    for (int64_t i = 0; i < n; ++i) cu[i + 1] = ncp_add_wrap_i32(cu[i], lens[i]); /* TE's int32 cumsum */
+    /* The framework's int64 padding starts equal these boundaries when no value was cut to int32
+     * (lens are then positive and sum to tokens, so the int32 cumsum cannot wrap either). */
+    *exact = tokens <= INT32_MAX;
+    for (int64_t i = 0; i < n && *exact; ++i) *exact = vals[i] == (int64_t)lens[i];
     return NCP_OK;
 }
 
-/* int64 cumsum from 0, each entry then cast to int32 (torch: cat([0], cumsum(v)).to(int32)). */
+/* int64 cumsum from 0, each entry then cast to int32 (torch: cat([0], cumsum(v)).to(int32)).
+ * Documented result on wrapping input: the cumsum wraps mod 2^64 and the cast keeps the low 32
+ * bits, as torch does. */
 static void cumsum_to_i32(const int64_t *v, int64_t n, int32_t *cu) {
     int64_t acc = 0;
     cu[0] = 0;
     for (int64_t i = 0; i < n; ++i) {
-        acc += v[i];
-        cu[i + 1] = (int32_t)acc;
+        acc = ncp_add_wrap_i64(acc, v[i]);
+        cu[i + 1] = ncp_wrap_i32((uint32_t)acc);
     }
 }
 
+/* max(cu[1:] - cu[:-1]) with torch's int32 (wrapping) subtraction. */
 static int32_t max_diff_i32(const int32_t *cu, int64_t n_entries) {
     int32_t best = 0;
     for (int64_t i = 1; i < n_entries; ++i) {
-        int32_t d = (int32_t)((uint32_t)cu[i] - (uint32_t)cu[i - 1]);
+        int32_t d = ncp_sub_wrap_i32(cu[i], cu[i - 1]);
         if (i == 1 || d > best) best = d;
     }
     return best;
@@ -138,7 +158,7 @@ static ncp_status framework_chunk(const int64_t *vl, int64_t n_r, const int64_t 
         int64_t kept = 0;
         for (int64_t i = 0; i < ch->row_len; ++i) {
             if ((int64_t)ch->row[i] == sentinel) continue;
-            int32_t d = (int32_t)((uint32_t)ch->row[i] - (uint32_t)prev);
+            int32_t d = ncp_sub_wrap_i32(ch->row[i], prev);
             if (kept == 1 || (kept > 1 && d > best)) best = d;
             prev = ch->row[i];
             ++kept;
@@ -168,97 +188,178 @@ static ncp_status check_layout_args(const ncp_mimo_layout_params *p) {
                   p->num_chunks, p->B);
     NCP_ARG_CHECK(p->cp_size >= 1, "cp_size must be >= 1; got %" PRId32, p->cp_size);
     NCP_ARG_CHECK(p->n_real >= 0 && p->n_pad >= 0, "seq_lens and seq_lens_padded must be 2-D");
-    NCP_ARG_CHECK((p->seq_lens != NULL || p->B * p->n_real == 0) && (p->seq_lens_padded != NULL || p->B * p->n_pad == 0),
-                  "seq_lens and seq_lens_padded must be host int64 tables");
+    NCP_ARG_CHECK(p->seq_lens != NULL || p->B * p->n_real == 0, "seq_lens must be a host table");
+    NCP_ARG_CHECK(p->seq_lens_padded != NULL || p->B * p->n_pad == 0, "seq_lens_padded must be a host table");
+    NCP_ARG_CHECK(p->sl_dt == NCP_DT_I32 || p->sl_dt == NCP_DT_I64, "seq_lens must be int32 or int64");
+    NCP_ARG_CHECK(p->slp_dt == NCP_DT_I32 || p->slp_dt == NCP_DT_I64, "seq_lens_padded must be int32 or int64");
     int64_t need = ncp_mimo_layout_words(p->B, p->n_real, p->n_pad, p->num_chunks);
-    NCP_ARG_CHECK(p->buf != NULL && p->buf_words >= need, "mimo_layout workspace too small: %" PRId64 " < %" PRId64 " words",
+    NCP_ARG_CHECK(p->buf != NULL && p->buf_words >= need, "mimo_layout: buf too small: %" PRId64 " < %" PRId64 " words",
                   p->buf_words, need);
     return NCP_OK;
+}
+
+/* Geometry and scratch of one ncp_mimo_layout call. */
+typedef struct {
+    int64_t C, rpc, Tc, cap;
+    int32_t W;
+    int64_t arrays0, cu_words, st_words, per_chunk; /* fixed per-chunk strides of the kernel table */
+    mimo_chunk *chunks;
+    int64_t *vl, *vp;                               /* (cap,) filtered rows */
+    int32_t *i32;                                   /* lens, cu_te, then 2 * cap per chunk */
+} layout_ctx;
+
+/* Pass 1, MiMo (spec 4): every chunk is validated before the framework runs; writes the TE
+ * partition boundaries (W > 1) and every chunk's descriptor. */
+static ncp_status pass_mimo(const ncp_mimo_layout_params *p, layout_ctx *x) {
+    int64_t *buf = p->buf;
+    int32_t *lens = x->i32, *cu_te = x->i32 + x->cap;
+    buf[0] = x->C;
+    for (int64_t c = 0; c < x->C; ++c) {
+        int64_t *desc = buf + 1 + NCP_MIMO_DESC * c;
+        int64_t base = x->arrays0 + c * x->per_chunk;
+        desc[0] = base;
+        desc[2] = base + x->cu_words;
+        desc[4] = base + x->cu_words + x->st_words;
+        if (x->W <= 1) continue;
+        int64_t n = filter_rows(p->seq_lens_padded, p->slp_dt, p->slp_st0, p->slp_st1, p->n_pad, c * x->rpc,
+                                (c + 1) * x->rpc, p->sentinel, x->vp);
+        int exact = 0;
+        NCP_TRY(mimo_validate_chunk(x->vp, n, x->Tc, x->W, lens, cu_te, &exact));
+        memcpy(buf + desc[0], cu_te, (size_t)(n + 1) * sizeof(int32_t));
+        desc[1] = n + 1;
+        desc[6] = exact;
+    }
+    return NCP_OK;
+}
+
+/* Pass 2, framework (spec 7.3-7.5): cu_seqlens per chunk and the padding-mask tables. */
+static ncp_status pass_framework(const ncp_mimo_layout_params *p, layout_ctx *x) {
+    int64_t *buf = p->buf;
+    for (int64_t c = 0; c < x->C; ++c) {
+        int64_t *desc = buf + 1 + NCP_MIMO_DESC * c;
+        int64_t n_r = filter_rows(p->seq_lens, p->sl_dt, p->sl_st0, p->sl_st1, p->n_real, c * x->rpc,
+                                  (c + 1) * x->rpc, p->sentinel, x->vl);
+        int64_t n_p = filter_rows(p->seq_lens_padded, p->slp_dt, p->slp_st0, p->slp_st1, p->n_pad, c * x->rpc,
+                                  (c + 1) * x->rpc, p->sentinel, x->vp);
+        mimo_chunk *ch = &x->chunks[c];
+        ch->cu_real = x->i32 + 2 * x->cap + 2 * c * x->cap;
+        NCP_TRY(framework_chunk(x->vl, n_r, x->vp, n_p, x->Tc, x->W, p->sentinel, ch, ch->cu_real + x->cap));
+        int64_t *starts = buf + desc[2], *reals = buf + desc[4];
+        starts[0] = 0; /* torch's int64 cumsum: wraps mod 2^64 on absurd lengths */
+        for (int64_t i = 0; i < n_p; ++i) starts[i + 1] = ncp_add_wrap_i64(starts[i], x->vp[i]);
+        memcpy(reals, x->vl, (size_t)n_r * sizeof(int64_t));
+        desc[3] = n_p;
+        desc[5] = n_r;
+    }
+    return NCP_OK;
+}
+
+/* Pass 3: the host-computed outputs, packed after the kernel table. */
+static void pass_outputs(const ncp_mimo_layout_params *p, const layout_ctx *x, ncp_mimo_layout_info *info) {
+    int64_t cu_width = 0, cup_width = 0;
+    int emit = 0;
+    for (int64_t c = 0; c < x->C; ++c) {
+        const mimo_chunk *ch = &x->chunks[c];
+        int64_t mine = x->W > 1 ? ch->row_len : ch->n_real + 1;
+        if (mine > cu_width) cu_width = mine;
+        if (ch->row_len > cup_width) cup_width = ch->row_len;
+        emit |= ch->emitted;
+    }
+    int64_t *buf = p->buf;
+    info->kernel_words = x->arrays0 + x->C * x->per_chunk;
+    info->cu_off = info->kernel_words;
+    info->cu_width = cu_width;
+    write_rows((int32_t *)(buf + info->cu_off), x->chunks, x->C, cu_width, x->W > 1, ncp_wrap_i32((uint32_t)p->sentinel));
+    info->cup_off = info->cu_off + words_for_i32(x->C * cu_width);
+    info->emit_padded = (x->W <= 1) && emit;
+    info->cup_width = info->emit_padded ? cup_width : 0;
+    if (info->emit_padded)
+        write_rows((int32_t *)(buf + info->cup_off), x->chunks, x->C, cup_width, 1, ncp_wrap_i32((uint32_t)p->sentinel));
+    info->maxlen_off = info->cup_off + words_for_i32(x->C * info->cup_width);
+    int32_t *maxlen = (int32_t *)(buf + info->maxlen_off);
+    for (int64_t c = 0; c < x->C; ++c) maxlen[c] = x->W > 1 ? x->chunks[c].max_pad : x->chunks[c].max_real;
+    info->total_words = info->maxlen_off + words_for_i32(x->C);
 }
 
 ncp_status ncp_mimo_layout(const ncp_mimo_layout_params *p, ncp_mimo_layout_info *info) {
     NCP_TRY(check_layout_args(p));
     NCP_ARG_CHECK(info != NULL, "mimo_layout: info must not be NULL");
-    const int64_t C = p->num_chunks, rpc = p->B / C, Tc = rpc * p->S;
-    const int32_t W = p->cp_size;
-    const int64_t dr = rpc * p->n_real, dp = rpc * p->n_pad;
-    const int64_t cap = (dr > dp ? dr : dp) + 2;
-    int64_t *buf = p->buf;
-    memset(buf, 0, (size_t)p->buf_words * sizeof(int64_t));
-
-    /* table geometry: fixed per-chunk strides */
-    const int64_t cu_words = words_for_i32(dp + 1), st_words = dp + 1, re_words = dr > 0 ? dr : 1;
-    const int64_t arrays0 = 1 + NCP_MIMO_DESC * C;
-    const int64_t per_chunk = cu_words + st_words + re_words;
+    layout_ctx x;
+    memset(&x, 0, sizeof x);
+    x.C = p->num_chunks;
+    x.rpc = p->B / x.C;
+    x.Tc = x.rpc * p->S;
+    x.W = p->cp_size;
+    const int64_t dr = x.rpc * p->n_real, dp = x.rpc * p->n_pad;
+    x.cap = (dr > dp ? dr : dp) + 2;
+    x.cu_words = words_for_i32(dp + 1);
+    x.st_words = dp + 1;
+    x.arrays0 = 1 + NCP_MIMO_DESC * x.C;
+    x.per_chunk = x.cu_words + x.st_words + (dr > 0 ? dr : 1);
+    memset(p->buf, 0, (size_t)p->buf_words * sizeof(int64_t));
 
     ncp_status st = NCP_OK;
-    mimo_chunk *chunks = (mimo_chunk *)calloc((size_t)C, sizeof(mimo_chunk));
-    int64_t *vals = (int64_t *)malloc((size_t)cap * 2 * sizeof(int64_t));
-    int32_t *i32 = (int32_t *)malloc((size_t)cap * (2 + 2 * (size_t)C) * sizeof(int32_t));
-    if (chunks == NULL || vals == NULL || i32 == NULL) {
+    x.chunks = (mimo_chunk *)calloc((size_t)x.C, sizeof(mimo_chunk));
+    int64_t *vals = (int64_t *)malloc((size_t)x.cap * 2 * sizeof(int64_t));
+    x.i32 = (int32_t *)malloc((size_t)x.cap * (2 + 2 * (size_t)x.C) * sizeof(int32_t));
+    if (x.chunks == NULL || vals == NULL || x.i32 == NULL) {
         st = ncp_set_error(NCP_ERR_NOMEM, NULL, 0, NULL, NULL, "out of host memory in mimo_layout");
         goto done;
     }
-    int64_t *vl = vals, *vp = vals + cap;
-    int32_t *lens = i32, *cu_te = i32 + cap;
-
-    buf[0] = C;
-    /* Pass 1, MiMo (spec 4): every chunk is validated before the framework runs. */
-    for (int64_t c = 0; c < C; ++c) {
-        int64_t *desc = buf + 1 + NCP_MIMO_DESC * c;
-        int64_t base = arrays0 + c * per_chunk;
-        desc[0] = base;
-        desc[2] = base + cu_words;
-        desc[4] = base + cu_words + st_words;
-        if (W <= 1) continue;
-        int64_t n = filter_rows(p->seq_lens_padded, p->n_pad, c * rpc, (c + 1) * rpc, p->sentinel, vp);
-        st = mimo_validate_chunk(vp, n, Tc, W, lens, cu_te);
-        if (st != NCP_OK) goto done;
-        memcpy(buf + desc[0], cu_te, (size_t)(n + 1) * sizeof(int32_t));
-        desc[1] = n + 1;
-    }
-    /* Pass 2, framework (spec 7.3-7.5). */
-    for (int64_t c = 0; c < C; ++c) {
-        int64_t *desc = buf + 1 + NCP_MIMO_DESC * c;
-        int64_t n_r = filter_rows(p->seq_lens, p->n_real, c * rpc, (c + 1) * rpc, p->sentinel, vl);
-        int64_t n_p = filter_rows(p->seq_lens_padded, p->n_pad, c * rpc, (c + 1) * rpc, p->sentinel, vp);
-        chunks[c].cu_real = i32 + 2 * cap + 2 * c * cap;
-        st = framework_chunk(vl, n_r, vp, n_p, Tc, W, p->sentinel, &chunks[c], chunks[c].cu_real + cap);
-        if (st != NCP_OK) goto done;
-        int64_t *starts = buf + desc[2], *reals = buf + desc[4];
-        starts[0] = 0;
-        for (int64_t i = 0; i < n_p; ++i) starts[i + 1] = starts[i] + vp[i];
-        memcpy(reals, vl, (size_t)n_r * sizeof(int64_t));
-        desc[3] = n_p;
-        desc[5] = n_r;
-    }
-    /* Pass 3: the host-computed outputs, packed after the kernel table. */
-    {
-        int64_t cu_width = 0, cup_width = 0;
-        int emit = 0;
-        for (int64_t c = 0; c < C; ++c) {
-            int64_t real_len = chunks[c].n_real + 1;
-            int64_t mine = W > 1 ? chunks[c].row_len : real_len;
-            if (mine > cu_width) cu_width = mine;
-            if (chunks[c].row_len > cup_width) cup_width = chunks[c].row_len;
-            emit |= chunks[c].emitted;
-        }
-        info->kernel_words = arrays0 + C * per_chunk;
-        info->cu_off = info->kernel_words;
-        info->cu_width = cu_width;
-        write_rows((int32_t *)(buf + info->cu_off), chunks, C, cu_width, W > 1, (int32_t)p->sentinel);
-        info->cup_off = info->cu_off + words_for_i32(C * cu_width);
-        info->emit_padded = (W <= 1) && emit;
-        info->cup_width = info->emit_padded ? cup_width : 0;
-        if (info->emit_padded) write_rows((int32_t *)(buf + info->cup_off), chunks, C, cup_width, 1, (int32_t)p->sentinel);
-        info->maxlen_off = info->cup_off + words_for_i32(C * info->cup_width);
-        int32_t *maxlen = (int32_t *)(buf + info->maxlen_off);
-        for (int64_t c = 0; c < C; ++c) maxlen[c] = W > 1 ? chunks[c].max_pad : chunks[c].max_real;
-        info->total_words = info->maxlen_off + words_for_i32(C);
-    }
+    x.vl = vals;
+    x.vp = vals + x.cap;
+    st = pass_mimo(p, &x);
+    if (st == NCP_OK) st = pass_framework(p, &x);
+    if (st == NCP_OK) pass_outputs(p, &x, info);
 done:
-    free(chunks);
+    free(x.chunks);
     free(vals);
-    free(i32);
+    free(x.i32);
     return st;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* The flat output buffer of one sharder call                                                */
+/* ---------------------------------------------------------------------------------------- */
+
+ncp_status ncp_mimo_plan_make(int64_t B, int64_t S, int64_t n_real, int64_t n_pad, int32_t num_chunks,
+                              int32_t cp_size, unsigned outputs, ncp_mimo_plan *plan) {
+    NCP_ARG_CHECK(plan != NULL, "mimo_plan: plan must not be NULL");
+    NCP_ARG_CHECK(num_chunks >= 1, "num_chunks must be >= 1; got %" PRId32, num_chunks);
+    NCP_ARG_CHECK(cp_size >= 1, "cp_size must be >= 1; got %" PRId32, cp_size);
+    NCP_ARG_CHECK(B >= 0 && S >= 0, "input_ids must have a non-negative shape; got (%" PRId64 ", %" PRId64 ")", B, S);
+    NCP_ARG_CHECK(n_real >= 0 && n_pad >= 0, "seq_lens and seq_lens_padded must have a non-negative width");
+    NCP_ARG_CHECK(B % num_chunks == 0, "MiMo THD num_chunks=%" PRId32 " must evenly divide batch size %" PRId64,
+                  num_chunks, B);
+    NCP_ARG_CHECK(!(outputs & NCP_MIMO_POS) || (outputs & NCP_MIMO_TOKENS),
+                  "outputs: position_ids are gathered only with the token outputs");
+    memset(plan, 0, sizeof *plan);
+    const int64_t C = num_chunks;
+    plan->Tc = B / C * S;
+    plan->L = cp_size > 1 ? plan->Tc / cp_size : plan->Tc;
+    const int64_t CL = C * plan->L, CT = C * plan->Tc;
+    int64_t words = 0;
+    plan->local_off = words;
+    words += CL;
+    plan->ids_off = plan->lab_off = plan->pos_off = -1;
+    if (outputs & NCP_MIMO_TOKENS) {
+        plan->ids_off = words;
+        plan->lab_off = words + CL;
+        words += 2 * CL;
+    }
+    if (outputs & NCP_MIMO_POS) {
+        plan->pos_off = words;
+        words += CL;
+    }
+    int64_t bytes = words * 8;
+    plan->pad_off = (outputs & NCP_MIMO_PAD) ? bytes : -1;
+    bytes += (outputs & NCP_MIMO_PAD) ? CL : 0;
+    plan->img_off = (outputs & NCP_MIMO_IMAGE) ? bytes : -1;
+    bytes += (outputs & NCP_MIMO_IMAGE) ? CT : 0;
+    plan->vid_off = (outputs & NCP_MIMO_VIDEO) ? bytes : -1;
+    bytes += (outputs & NCP_MIMO_VIDEO) ? CT : 0;
+    plan->lay_off = (bytes + 7) / 8;
+    plan->lay_words = ncp_mimo_layout_words(B, n_real, n_pad, num_chunks);
+    plan->out_words = plan->lay_off + plan->lay_words;
+    return NCP_OK;
 }

@@ -7,10 +7,27 @@
  *                          the framework's (starts, reals) tables; ids/labels/positions gathered and
  *                          widened to int64 (cp > 1); for global token g of chunk c: both media
  *                          masks. One launch, grid-stride, no host sync.
+ *   ncp_mimo_run_cuda      one whole sharder call: the host layout pass written into a pinned
+ *                          staging slot, one cudaMemcpyAsync of it into the output buffer, one
+ *                          event, then mimo_shard_kernel; all on the caller's stream.
+ *
+ * Staging ring: pinned host slots owned by this file, per device, reused only once the event
+ * recorded after their copy has completed (cudaEventQuery, never a wait), so a call never blocks
+ * on the GPU. Only when NCP_STAGE_SLOTS copies of one device are all still in flight does the
+ * next call wait for the oldest (cudaEventSynchronize): that needs more than 32 sharder calls
+ * queued ahead of the GPU. Slots live for the process (a few KB to MB each); sizes are powers of
+ * two of at least 64 KiB, so a slot is replaced (cudaFreeHost, which synchronizes) only when a
+ * table outgrows every slot.
+ *
  * CPU twin and second oracle: csrc/cpu/thd_shard.c. Tests: tests/test_mimo_native.py,
- * tests/test_thd_partition.py (CUDA cases). Bench: benchmarks/bench_mimo_shard.py.
+ * tests/test_mimo_native_integration.py, tests/test_thd_partition.py (CUDA cases).
+ * Bench: benchmarks/bench_mimo_shard.py.
  */
 #include <cuda_runtime.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <mutex>
 
 #include "ncp/ncp.h"
 #include "ncp/ncp_check.h"
@@ -35,7 +52,7 @@ int grid_for(int64_t n) {
 __global__ void thd_partition_kernel(const int32_t *__restrict__ cu, int32_t n_cu, int64_t n_out, int32_t W,
                                             int32_t r, int32_t *__restrict__ out) {
     for (int64_t t = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; t < n_out; t += (int64_t)gridDim.x * blockDim.x)
-        out[t] = (int32_t)ncp_te_src_index(cu, n_cu, t, W, r);
+        out[t] = ncp_te_src_index(cu, n_cu, t, W, r);
 }
 
 __device__ __forceinline__ int64_t load_int(const void *base, ncp_dtype dt, int64_t off) {
@@ -66,14 +83,16 @@ __global__ void mimo_shard_kernel(ncp_mimo_shard_params p, int64_t Tc, int64_t L
             const int64_t c = i / L, t = i - c * L;
             const int64_t *desc = p.table + 1 + NCP_MIMO_DESC * c;
             const int64_t cu_off = desc[0], n_cu = desc[1], st_off = desc[2], n_slots = desc[3];
-            const int64_t re_off = desc[4], n_reals = desc[5];
-            const int64_t g = p.cp_size > 1
-                                  ? ncp_te_src_index((const int32_t *)(p.table + cu_off), (int32_t)n_cu, t, p.cp_size,
-                                                     p.cp_rank)
-                                  : t;
+            const int64_t re_off = desc[4], n_reals = desc[5], same_docs = desc[6];
+            int64_t doc = 0;
+            const int64_t g = p.cp_size > 1 ? ncp_te_src_index_doc((const int32_t *)(p.table + cu_off), (int32_t)n_cu,
+                                                                    t, p.cp_size, p.cp_rank, &doc)
+                                            : t;
             p.out_local[i] = g;
-            p.out_pad[i] = ncp_thd_is_padding(p.table + st_off, n_slots, p.table + re_off, n_reals, g);
-            if (p.cp_size > 1) {
+            if (p.out_pad != nullptr) /* one search per slot on validated layouts (same_docs) */
+                p.out_pad[i] = ncp_mimo_is_padding(p.table + st_off, n_slots, p.table + re_off, n_reals, g, doc,
+                                                   same_docs);
+            if (p.out_ids != nullptr) {
                 p.out_ids[i] = load_int(p.input_ids, p.ids_dt, token_off(c, rpc, p.S, g, p.ids_st0, p.ids_st1));
                 p.out_labels[i] = load_int(p.labels, p.lab_dt, token_off(c, rpc, p.S, g, p.lab_st0, p.lab_st1));
                 if (p.out_pos != nullptr)
@@ -81,6 +100,113 @@ __global__ void mimo_shard_kernel(ncp_mimo_shard_params p, int64_t Tc, int64_t L
             }
         }
     }
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* pinned staging ring                                                                       */
+/* ---------------------------------------------------------------------------------------- */
+
+constexpr int kStageDevices = 16;
+constexpr int kStageSlots = 32; /* NCP_STAGE_SLOTS in the header comment */
+constexpr size_t kStageMinBytes = 64 << 10;
+
+struct StageSlot {
+    void *ptr;          /* pinned host memory, or nullptr before first use */
+    size_t bytes;
+    cudaEvent_t ev;     /* recorded after the slot's last copy (created on the slot's device) */
+    uint64_t seq;       /* order of use, for the wait when every slot is in flight */
+    int claimed;        /* taken by a call that has not recorded its event yet */
+};
+
+std::mutex g_stage_mu;
+StageSlot g_stage[kStageDevices][kStageSlots];
+uint64_t g_stage_seq = 0;
+
+size_t stage_round(size_t bytes) {
+    size_t n = kStageMinBytes;
+    while (n < bytes) n <<= 1;
+    return n;
+}
+
+/* Index of a free slot (never used, or its last copy has completed) with room for `bytes`, else of
+ * a never-used one, else -1; *small_free: a free slot that is too small, or -1. */
+int stage_find_free(StageSlot *slots, size_t bytes, int *small_free) {
+    int empty = -1;
+    *small_free = -1;
+    for (int i = 0; i < kStageSlots; ++i) {
+        StageSlot *sl = &slots[i];
+        if (sl->claimed) continue;
+        if (sl->ptr == nullptr) {
+            if (empty < 0) empty = i;
+            continue;
+        }
+        cudaError_t q = cudaEventQuery(sl->ev);
+        if (q == cudaErrorNotReady) {
+            (void)cudaGetLastError(); /* not an error: clear it so later checks do not see it */
+            continue;
+        }
+        if (q != cudaSuccess) continue;
+        if (sl->bytes >= bytes) return i;
+        if (*small_free < 0) *small_free = i;
+    }
+    return empty;
+}
+
+/* Makes the slot hold at least `bytes` (allocating, or replacing memory that is too small). */
+ncp_status stage_fit(StageSlot *sl, size_t bytes) {
+    if (sl->ptr != nullptr && sl->bytes >= bytes) return NCP_OK;
+    if (sl->ptr != nullptr) {
+        NCP_CUDA_CHECK(cudaFreeHost(sl->ptr));
+        sl->ptr = nullptr;
+        sl->bytes = 0;
+    }
+    size_t n = stage_round(bytes);
+    NCP_CUDA_CHECK(cudaHostAlloc(&sl->ptr, n, cudaHostAllocPortable));
+    sl->bytes = n;
+    if (sl->ev == nullptr) NCP_CUDA_CHECK(cudaEventCreateWithFlags(&sl->ev, cudaEventDisableTiming));
+    return NCP_OK;
+}
+
+/* Claims a slot of the current device with room for `bytes`; *slot_out points at it. */
+ncp_status stage_acquire(int dev, size_t bytes, StageSlot **slot_out) {
+    NCP_ARG_CHECK(dev >= 0 && dev < kStageDevices,
+                  "input_ids is on CUDA device %d; the MiMo sharder's staging ring covers devices 0..%d", dev,
+                  kStageDevices - 1);
+    std::lock_guard<std::mutex> lock(g_stage_mu);
+    StageSlot *slots = g_stage[dev];
+    int small = -1;
+    int i = stage_find_free(slots, bytes, &small);
+    if (i < 0) i = small;
+    if (i < 0) { /* every slot in flight: wait for the oldest (more than kStageSlots calls queued) */
+        for (int k = 0; k < kStageSlots; ++k)
+            if (!slots[k].claimed && (i < 0 || slots[k].seq < slots[i].seq)) i = k;
+        NCP_CHECK(i >= 0, NCP_ERR_UNSUPPORTED, "every staging slot of device %d is claimed by a running call", dev);
+        NCP_CUDA_CHECK(cudaEventSynchronize(slots[i].ev));
+    }
+    NCP_TRY(stage_fit(&slots[i], bytes));
+    slots[i].claimed = 1;
+    slots[i].seq = ++g_stage_seq;
+    *slot_out = &slots[i];
+    return NCP_OK;
+}
+
+/* Copies `words` of the slot to dst on `stream`, records the slot's event and releases it. */
+ncp_status stage_copy_release(StageSlot *sl, int64_t *dst, int64_t words, cudaStream_t stream) {
+    cudaError_t err = cudaMemcpyAsync(dst, sl->ptr, (size_t)words * sizeof(int64_t), cudaMemcpyHostToDevice, stream);
+    if (err == cudaSuccess) err = cudaEventRecord(sl->ev, stream);
+    std::lock_guard<std::mutex> lock(g_stage_mu);
+    sl->claimed = 0;
+    if (err != cudaSuccess) { /* the slot may still be read by a queued copy: wait before reuse */
+        (void)cudaStreamSynchronize(stream);
+        (void)cudaGetLastError();
+    }
+    NCP_CUDA_CHECK(err);
+    return NCP_OK;
+}
+
+void stage_release(StageSlot *sl) {
+    std::lock_guard<std::mutex> lock(g_stage_mu);
+    sl->claimed = 0;
 }
 
 }  // namespace
@@ -109,4 +235,23 @@ extern "C" ncp_status ncp_mimo_shard_cuda(const ncp_mimo_shard_params *p, void *
     ncp::mimo_shard_kernel<<<ncp::grid_for(n), ncp::kThreads, 0, (cudaStream_t)stream>>>(*p, Tc, L);
     NCP_CUDA_CHECK(cudaGetLastError());
     return NCP_OK;
+}
+
+extern "C" ncp_status ncp_mimo_run_cuda(ncp_mimo_run_params *p, ncp_mimo_layout_info *info, void *stream) {
+    NCP_TRY(ncp_mimo_run_prepare(p));
+    int dev = 0;
+    NCP_CUDA_CHECK(cudaGetDevice(&dev));
+    ncp::StageSlot *slot = nullptr;
+    NCP_TRY(ncp::stage_acquire(dev, (size_t)p->plan.lay_words * sizeof(int64_t), &slot));
+    p->layout.buf = (int64_t *)slot->ptr;
+    ncp_status st = ncp_mimo_layout(&p->layout, info);
+    if (st != NCP_OK) {
+        ncp::stage_release(slot);
+        return st;
+    }
+    if (p->host != nullptr) /* the int32 outputs live on the host: a plain copy of the block */
+        memcpy(p->host, slot->ptr, (size_t)info->total_words * sizeof(int64_t));
+    const int64_t words = p->host != nullptr ? info->kernel_words : info->total_words;
+    NCP_TRY(ncp::stage_copy_release(slot, p->out + p->plan.lay_off, words, (cudaStream_t)stream));
+    return ncp_mimo_shard_cuda(&p->shard, stream);
 }

@@ -18,6 +18,7 @@
 #include "dlpack_view.h"
 #include "ncp/ncp.h"
 #include "pyargs.h"
+#include "pyargs_mimo.h"
 
 #include "module_attn.h"
 
@@ -27,14 +28,15 @@
 
 static PyObject *py_thd_partition(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
     /* (cu_seqlens, out, total_tokens, cp_size, cp_rank, stream) */
+    (void)m;
     if (ncp_py_nargs("thd_partition", nargs, 6) < 0) return NULL;
     ncp_view cu, out;
     ncp_thd_partition_params p;
     memset(&p, 0, sizeof p);
     void *stream;
     if (ncp_view_from_capsule(args[0], "cu_seqlens", 0, &cu) < 0 || ncp_view_from_capsule(args[1], "out", 0, &out) < 0 ||
-        ncp_py_i64(args[2], "total_tokens", &p.total_tokens) < 0 || ncp_py_i32(args[3], "cp_size", &p.cp_size) < 0 ||
-        ncp_py_i32(args[4], "cp_rank", &p.cp_rank) < 0 || ncp_py_stream(args[5], &stream) < 0)
+        ncp_pym_i64(args[2], "total_tokens", &p.total_tokens) < 0 || ncp_pym_i32(args[3], "cp_size", &p.cp_size) < 0 ||
+        ncp_pym_i32(args[4], "cp_rank", &p.cp_rank) < 0 || ncp_py_stream(args[5], &stream) < 0)
         return NULL;
     if (ncp_py_expect(&cu, "cu_seqlens", NCP_DT(NCP_DT_I32), 1, 2) < 0 || ncp_py_expect(&out, "out", NCP_DT(NCP_DT_I32), 1, 2) < 0) return NULL;
     ncp_view *views[] = {&cu, &out};
@@ -48,7 +50,8 @@ static PyObject *py_thd_partition(PyObject *m, PyObject *const *args, Py_ssize_t
         return NULL;
     }
     if (cu.shape[0] > INT32_MAX) {
-        PyErr_SetString(PyExc_ValueError, "cu_seqlens is too long");
+        PyErr_Format(PyExc_ValueError, "cu_seqlens has %lld entries; at most 2^31 - 1 are supported",
+                     (long long)cu.shape[0]);
         return NULL;
     }
     p.cu_seqlens = (const int32_t *)cu.data;
@@ -61,17 +64,30 @@ static PyObject *py_thd_partition(PyObject *m, PyObject *const *args, Py_ssize_t
 }
 
 static PyObject *py_thd_partition_validate(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
-    /* (cu_seqlens_host, cp_size) */
-    if (ncp_py_nargs("thd_partition_validate", nargs, 2) < 0) return NULL;
-    ncp_view cu;
-    int32_t cp;
-    if (ncp_view_from_capsule(args[0], "cu_seqlens", 0, &cu) < 0 || ncp_py_i32(args[1], "cp_size", &cp) < 0) return NULL;
-    if (ncp_py_expect(&cu, "cu_seqlens", NCP_DT(NCP_DT_I32), 1, 2) < 0) return NULL;
-    if (cu.device != NCP_DEV_CPU) {
-        PyErr_SetString(PyExc_ValueError, "thd_partition_validate reads cu_seqlens on the host");
+    /* (cu_seqlens_host, cp_size[, total_tokens]): with total_tokens, also cu_seqlens[-1] <= total_tokens */
+    (void)m;
+    if (nargs != 2 && nargs != 3) {
+        PyErr_Format(PyExc_TypeError, "thd_partition_validate() takes 2 or 3 arguments (%zd given)", nargs);
         return NULL;
     }
-    ncp_status st = ncp_thd_partition_validate((const int32_t *)cu.data, (int32_t)cu.shape[0], cp);
+    ncp_view cu;
+    int32_t cp;
+    int64_t total = 0;
+    if (ncp_view_from_capsule(args[0], "cu_seqlens", 0, &cu) < 0 || ncp_pym_i32(args[1], "cp_size", &cp) < 0) return NULL;
+    if (nargs == 3 && ncp_pym_i64(args[2], "total_tokens", &total) < 0) return NULL;
+    if (ncp_py_expect(&cu, "cu_seqlens", NCP_DT(NCP_DT_I32), 1, 2) < 0) return NULL;
+    if (cu.device != NCP_DEV_CPU) {
+        PyErr_SetString(PyExc_ValueError, "cu_seqlens must be a host tensor here (thd_partition_validate reads it on the host)");
+        return NULL;
+    }
+    if (cu.shape[0] > INT32_MAX) {
+        PyErr_Format(PyExc_ValueError, "cu_seqlens has %lld entries; at most 2^31 - 1 are supported",
+                     (long long)cu.shape[0]);
+        return NULL;
+    }
+    const int32_t *data = (const int32_t *)cu.data;
+    const int32_t n = (int32_t)cu.shape[0];
+    ncp_status st = nargs == 3 ? ncp_thd_partition_validate_total(data, n, cp, total) : ncp_thd_partition_validate(data, n, cp);
     if (st != NCP_OK) return ncp_py_raise(st);
     Py_RETURN_NONE;
 }
@@ -80,140 +96,56 @@ static PyObject *py_thd_partition_validate(PyObject *m, PyObject *const *args, P
 /* MiMo sharder                                                                              */
 /* ======================================================================================== */
 
-static PyObject *py_mimo_layout_words(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
+static PyObject *py_mimo_plan(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
+    /* (B, S, n_real, n_pad, num_chunks, cp_size, outputs) -> (L, Tc, local_off, ids_off, lab_off, pos_off,
+     *  pad_off, img_off, vid_off, lay_off, lay_words, out_words) */
     (void)m;
-    if (ncp_py_nargs("mimo_layout_words", nargs, 4) < 0) return NULL;
-    int64_t B, nr, np_;
-    int32_t C;
-    if (ncp_py_i64(args[0], "B", &B) < 0 || ncp_py_i64(args[1], "n_real", &nr) < 0 || ncp_py_i64(args[2], "n_pad", &np_) < 0 ||
-        ncp_py_i32(args[3], "num_chunks", &C) < 0)
+    if (ncp_py_nargs("mimo_plan", nargs, 7) < 0) return NULL;
+    int64_t B, S, nr, np_, outputs;
+    int32_t C, W;
+    if (ncp_pym_i64(args[0], "B", &B) < 0 || ncp_pym_i64(args[1], "S", &S) < 0 ||
+        ncp_pym_i64(args[2], "n_real", &nr) < 0 || ncp_pym_i64(args[3], "n_pad", &np_) < 0 ||
+        ncp_pym_i32(args[4], "num_chunks", &C) < 0 || ncp_pym_i32(args[5], "cp_size", &W) < 0 ||
+        ncp_pym_i64(args[6], "outputs", &outputs) < 0)
         return NULL;
-    return PyLong_FromLongLong((long long)ncp_mimo_layout_words(B, nr, np_, C));
+    if (outputs < 0 || outputs > 31) {
+        PyErr_Format(PyExc_ValueError, "outputs=%lld is not a set of NCP_MIMO_* bits", (long long)outputs);
+        return NULL;
+    }
+    ncp_mimo_plan pl;
+    ncp_status st = ncp_mimo_plan_make(B, S, nr, np_, C, W, (unsigned)outputs, &pl);
+    if (st != NCP_OK) return ncp_py_raise(st);
+    return Py_BuildValue("(LLLLLLLLLLLL)", (long long)pl.L, (long long)pl.Tc, (long long)pl.local_off,
+                         (long long)pl.ids_off, (long long)pl.lab_off, (long long)pl.pos_off, (long long)pl.pad_off,
+                         (long long)pl.img_off, (long long)pl.vid_off, (long long)pl.lay_off, (long long)pl.lay_words,
+                         (long long)pl.out_words);
 }
 
-static PyObject *py_mimo_layout(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
-    /* (seq_lens, seq_lens_padded, buf, S, num_chunks, cp_size, sentinel) -> info tuple */
-    if (ncp_py_nargs("mimo_layout", nargs, 7) < 0) return NULL;
-    ncp_view sl, slp, buf;
-    ncp_mimo_layout_params p;
-    memset(&p, 0, sizeof p);
-    if (ncp_view_from_capsule(args[0], "seq_lens", 0, &sl) < 0 ||
-        ncp_view_from_capsule(args[1], "seq_lens_padded", 0, &slp) < 0 ||
-        ncp_view_from_capsule(args[2], "buf", 0, &buf) < 0 || ncp_py_i64(args[3], "S", &p.S) < 0 ||
-        ncp_py_i32(args[4], "num_chunks", &p.num_chunks) < 0 || ncp_py_i32(args[5], "cp_size", &p.cp_size) < 0 ||
-        ncp_py_i64(args[6], "sentinel", &p.sentinel) < 0)
-        return NULL;
-    if (ncp_py_expect(&sl, "seq_lens", NCP_DT(NCP_DT_I64), 2, 2) < 0 || ncp_py_expect(&slp, "seq_lens_padded", NCP_DT(NCP_DT_I64), 2, 2) < 0 ||
-        ncp_py_expect(&buf, "buf", NCP_DT(NCP_DT_I64), 1, 2) < 0)
-        return NULL;
-    if (sl.device != NCP_DEV_CPU || slp.device != NCP_DEV_CPU || buf.device != NCP_DEV_CPU) {
-        PyErr_SetString(PyExc_ValueError, "mimo_layout works on host copies of seq_lens and seq_lens_padded");
-        return NULL;
-    }
-    if (sl.shape[0] != slp.shape[0]) {
-        PyErr_Format(PyExc_ValueError, "seq_lens and seq_lens_padded must have the same number of rows; got %lld and %lld",
-                     (long long)sl.shape[0], (long long)slp.shape[0]);
-        return NULL;
-    }
-    p.seq_lens = (const int64_t *)sl.data;
-    p.seq_lens_padded = (const int64_t *)slp.data;
-    p.B = sl.shape[0];
-    p.n_real = sl.shape[1];
-    p.n_pad = slp.shape[1];
-    p.buf = (int64_t *)buf.data;
-    p.buf_words = buf.shape[0];
+static PyObject *py_mimo_run(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
+    /* (input_ids, labels, position_ids, seq_lens, seq_lens_padded, out, host, num_chunks, cp_size, cp_rank,
+     *  image_token_id, video_token_id, sentinel, outputs, stream) -> (cu_off, cu_width, cup_off, cup_width,
+     *  maxlen_off, emit_padded), word offsets into the layout block (out[lay_off:], or host) */
+    (void)m;
+    if (ncp_py_nargs("mimo_run", nargs, 15) < 0) return NULL;
+    static const char *names[NCP_PYM_NVIEWS] = {"input_ids", "labels", "position_ids", "seq_lens",
+                                                "seq_lens_padded", "out", "host"};
+    static const int optional[NCP_PYM_NVIEWS] = {0, 1, 1, 0, 0, 0, 1};
+    ncp_view v[NCP_PYM_NVIEWS];
+    for (int i = 0; i < NCP_PYM_NVIEWS; ++i)
+        if (ncp_view_from_capsule(args[i], names[i], optional[i], &v[i]) < 0) return NULL;
+    ncp_pym_mimo_args a;
+    void *stream;
+    if (ncp_pym_mimo_scalars(args, &a) < 0 || ncp_py_stream(args[14], &stream) < 0) return NULL;
+    ncp_mimo_run_params p;
+    if (ncp_pym_mimo_params(v, &a, &p) < 0) return NULL;
     ncp_mimo_layout_info info;
     memset(&info, 0, sizeof info);
     ncp_status st;
-    Py_BEGIN_ALLOW_THREADS st = ncp_mimo_layout(&p, &info);
-    Py_END_ALLOW_THREADS if (st != NCP_OK) return ncp_py_raise(st);
-    return Py_BuildValue("(LLLLLLiL)", (long long)info.kernel_words, (long long)info.cu_off, (long long)info.cu_width,
-                         (long long)info.cup_off, (long long)info.cup_width, (long long)info.maxlen_off,
-                         (int)info.emit_padded, (long long)info.total_words);
-}
-
-static int optional_token_id(PyObject *o, const char *name, int64_t *id, int32_t *has) {
-    *has = o != Py_None;
-    *id = 0;
-    return *has ? ncp_py_i64(o, name, id) : 0;
-}
-
-static PyObject *py_mimo_shard(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
-    /* (input_ids, labels, position_ids, table, out_ids, out_labels, out_pos, out_pad, out_local,
-     *  out_image, out_video, num_chunks, cp_size, cp_rank, image_token_id, video_token_id, stream) */
-    if (ncp_py_nargs("mimo_shard", nargs, 17) < 0) return NULL;
-    static const char *names[] = {"input_ids", "labels",    "position_ids", "table",     "out_ids",    "out_labels",
-                                  "out_pos",   "out_pad",   "out_local",    "out_image", "out_video"};
-    static const int optional[] = {0, 1, 1, 0, 1, 1, 1, 0, 0, 1, 1};
-    ncp_view v[11];
-    for (int i = 0; i < 11; ++i)
-        if (ncp_view_from_capsule(args[i], names[i], optional[i], &v[i]) < 0) return NULL;
-    ncp_mimo_shard_params p;
-    memset(&p, 0, sizeof p);
-    void *stream;
-    if (ncp_py_i32(args[11], "num_chunks", &p.num_chunks) < 0 || ncp_py_i32(args[12], "cp_size", &p.cp_size) < 0 ||
-        ncp_py_i32(args[13], "cp_rank", &p.cp_rank) < 0 ||
-        optional_token_id(args[14], "image_token_id", &p.image_token_id, &p.has_image) < 0 ||
-        optional_token_id(args[15], "video_token_id", &p.video_token_id, &p.has_video) < 0 ||
-        ncp_py_stream(args[16], &stream) < 0)
-        return NULL;
-    if (ncp_py_expect(&v[0], names[0], NCP_DT_INT, 2, 0) < 0 || ncp_py_expect(&v[1], names[1], NCP_DT_INT, 2, 0) < 0 ||
-        ncp_py_expect(&v[2], names[2], NCP_DT_INT, 2, 0) < 0 || ncp_py_expect(&v[3], names[3], NCP_DT(NCP_DT_I64), 1, 2) < 0)
-        return NULL;
-    for (int i = 4; i < 11; ++i) {
-        unsigned mask = (i == 7 || i >= 9) ? NCP_DT(NCP_DT_BOOL) : NCP_DT(NCP_DT_I64);
-        if (ncp_py_expect(&v[i], names[i], mask, -1, 2) < 0) return NULL;
-    }
-    ncp_view *vp[11];
-    for (int i = 0; i < 11; ++i) vp[i] = &v[i];
-    ncp_device_kind dev;
-    int32_t dev_id;
-    if (ncp_py_same_device(vp, names, 11, &dev, &dev_id) < 0) return NULL;
-    p.B = v[0].shape[0];
-    p.S = v[0].shape[1];
-    const int64_t BS[2] = {p.B, p.S};
-    if (ncp_py_shape(&v[1], "labels", 2, BS, "[batch, sequence] like input_ids") < 0 ||
-        ncp_py_shape(&v[2], "position_ids", 2, BS, "[batch, sequence] like input_ids") < 0)
-        return NULL;
-    if (p.num_chunks >= 1 && p.cp_size >= 1 && p.B % p.num_chunks == 0) {
-        const int64_t C = p.num_chunks, Tc = p.B / C * p.S, L = p.cp_size > 1 ? Tc / p.cp_size : Tc;
-        const int64_t CL = C * L, CT = C * Tc;
-        if ((v[4].present && ncp_view_numel(&v[4]) != CL) || (v[5].present && ncp_view_numel(&v[5]) != CL) ||
-            (v[6].present && ncp_view_numel(&v[6]) != CL) || ncp_view_numel(&v[7]) != CL ||
-            ncp_view_numel(&v[8]) != CL || (v[9].present && ncp_view_numel(&v[9]) != CT) ||
-            (v[10].present && ncp_view_numel(&v[10]) != CT)) {
-            PyErr_SetString(PyExc_ValueError, "mimo_shard: an output has the wrong number of elements");
-            return NULL;
-        }
-    }
-    p.input_ids = v[0].data;
-    p.ids_dt = v[0].dtype;
-    p.ids_st0 = v[0].strides[0];
-    p.ids_st1 = v[0].strides[1];
-    if (v[1].present) {
-        p.labels = v[1].data;
-        p.lab_dt = v[1].dtype;
-        p.lab_st0 = v[1].strides[0];
-        p.lab_st1 = v[1].strides[1];
-    }
-    if (v[2].present) {
-        p.position_ids = v[2].data;
-        p.pos_dt = v[2].dtype;
-        p.pos_st0 = v[2].strides[0];
-        p.pos_st1 = v[2].strides[1];
-    }
-    p.table = (const int64_t *)v[3].data;
-    p.out_ids = (int64_t *)v[4].data;
-    p.out_labels = (int64_t *)v[5].data;
-    p.out_pos = (int64_t *)v[6].data;
-    p.out_pad = (uint8_t *)v[7].data;
-    p.out_local = (int64_t *)v[8].data;
-    p.out_image = (uint8_t *)v[9].data;
-    p.out_video = (uint8_t *)v[10].data;
-    ncp_status st;
-    NCP_PY_RUN(dev, dev_id, ncp_mimo_shard_cpu(&p), ncp_mimo_shard_cuda(&p, stream), st);
+    NCP_PY_RUN(v[NCP_PYM_IDS].device, v[NCP_PYM_IDS].device_id, ncp_mimo_run_cpu(&p, &info),
+               ncp_mimo_run_cuda(&p, &info, stream), st);
     if (st != NCP_OK) return ncp_py_raise(st);
-    Py_RETURN_NONE;
+    return Py_BuildValue("(LLLLLi)", (long long)info.cu_off, (long long)info.cu_width, (long long)info.cup_off,
+                         (long long)info.cup_width, (long long)info.maxlen_off, (int)info.emit_padded);
 }
 
 /* ======================================================================================== */
@@ -230,13 +162,13 @@ static PyMethodDef methods[] = {
     {"thd_partition", (PyCFunction)(void (*)(void))py_thd_partition, METH_FASTCALL,
      "thd_partition(cu_seqlens, out, total_tokens, cp_size, cp_rank, stream): TE's DualChunkSwap indices."},
     {"thd_partition_validate", (PyCFunction)(void (*)(void))py_thd_partition_validate, METH_FASTCALL,
-     "thd_partition_validate(cu_seqlens_host, cp_size): host check of document lengths."},
-    {"mimo_layout_words", (PyCFunction)(void (*)(void))py_mimo_layout_words, METH_FASTCALL,
-     "mimo_layout_words(B, n_real, n_pad, num_chunks) -> workspace words."},
-    {"mimo_layout", (PyCFunction)(void (*)(void))py_mimo_layout, METH_FASTCALL,
-     "mimo_layout(seq_lens, seq_lens_padded, buf, S, num_chunks, cp_size, sentinel) -> info tuple."},
-    {"mimo_shard", (PyCFunction)(void (*)(void))py_mimo_shard, METH_FASTCALL,
-     "mimo_shard(...): fused MiMo shard pass (gathers, masks, local indices)."},
+     "thd_partition_validate(cu_seqlens_host, cp_size[, total_tokens]): host check of document lengths (and, "
+     "with total_tokens, that cu_seqlens[-1] <= total_tokens)."},
+    {"mimo_plan", (PyCFunction)(void (*)(void))py_mimo_plan, METH_FASTCALL,
+     "mimo_plan(B, S, n_real, n_pad, num_chunks, cp_size, outputs) -> carving of the flat output buffer."},
+    {"mimo_run", (PyCFunction)(void (*)(void))py_mimo_run, METH_FASTCALL,
+     "mimo_run(input_ids, labels, position_ids, seq_lens, seq_lens_padded, out, host, num_chunks, cp_size, cp_rank, "
+     "image_token_id, video_token_id, sentinel, outputs, stream) -> layout offsets: one whole MiMo sharder call."},
     NCP_ATTN_METHODS,
     {"build_info", py_build_info, METH_NOARGS, "build_info() -> dict describing this build."},
     {NULL, NULL, 0, NULL},

@@ -17,6 +17,8 @@ allocates on the device of ``cu_seqlens`` instead of TE's current CUDA device (�
 from __future__ import annotations
 
 import contextlib
+import importlib
+import sys
 from functools import partial
 from typing import Any
 
@@ -320,6 +322,24 @@ def make_cp_batch_for_te(
 # ---------------------------------------------------------------------------------------------
 
 
+_UPSTREAM_CP = "nemo_automodel.components.models.mimo_v2_flash.cp"
+_no_upstream_cp: list = []
+
+
+def ensure_mimo_te_context_parallel(model, cp_mesh) -> None:
+    """§5 step 6 as upstream runs it: the ``ensure_mimo_te_context_parallel`` that upstream's ``cp``
+    module holds at call time (a monkeypatch of ``cp.ensure_mimo_te_context_parallel`` applies);
+    the package's stand-in when that module cannot be imported."""
+    module = sys.modules.get(_UPSTREAM_CP)
+    if module is None and not _no_upstream_cp:
+        try:
+            module = importlib.import_module(_UPSTREAM_CP)
+        except Exception:  # noqa: BLE001 - any import failure means "no upstream"
+            _no_upstream_cp.append(True)
+    fn = getattr(module, "ensure_mimo_te_context_parallel", None)
+    (fn if callable(fn) else _compat.ensure_mimo_te_context_parallel)(model, cp_mesh)
+
+
 def _flatten_chunks(tensor: torch.Tensor, num_chunks: int) -> torch.Tensor:
     """§2: ``[B, S]`` -> ``[T]`` (one chunk) or ``[C, T/C]`` (chunk c = rows of group c, row-major)."""
     if tensor.ndim != 2:
@@ -433,7 +453,7 @@ def shard_batch_for_mimo_te(
         # Quirk kept: the message says one-dimensional, the check wants [B, S].
         raise ValueError("MiMo THD pipeline parallelism currently requires one-dimensional position_ids")
     if model is not None:  # step 6: side effect before the partition checks (§13.9)
-        _compat.ensure_mimo_te_context_parallel(model, cp_mesh)
+        ensure_mimo_te_context_parallel(model, cp_mesh)
 
     row_shape = tuple(input_ids.shape)
     image_mask = _media_mask(input_ids, image_token_id, num_chunks)

@@ -16,6 +16,10 @@ continue the last document's tail offset (duplicates and gaps across ranks, §11
 ``total_tokens`` are ignored, and lengths not divisible by 2W give the kernel's silently wrong
 answer (the device ``assert`` is compiled out of release builds, §11.4, and is not emulated).
 
+TE's kernel computes in ``int`` (int32): on absurd boundaries (values near the int32 limits) its
+intermediate sums wrap mod 2^32. The oracle wraps at the same steps (``_i32``), so it answers as TE
+does on any int32 input.
+
 One deliberate difference: real TE allocates its output on the **current CUDA device** whatever
 the device of ``cu_seqlens`` (§11.2, a trap); this oracle returns its int32 result on the device
 of ``cu_seqlens``.
@@ -32,6 +36,11 @@ def _c_div(a: int, b: int) -> int:
     """Integer division with C semantics (truncation toward zero)."""
     q = abs(a) // abs(b)
     return q if (a >= 0) == (b >= 0) else -q
+
+
+def _i32(x: int) -> int:
+    """``x`` wrapped to int32 (two's complement), as TE's ``int`` arithmetic does on the GPU."""
+    return (x + 2**31) % 2**32 - 2**31
 
 
 def _check_args(cu_seqlens: torch.Tensor, total_tokens: int, world_size: int, rank: int) -> None:
@@ -93,9 +102,9 @@ def thd_get_partitioned_indices(
     out = []
     for t in range(total_tokens // world_size):
         s = _find_document(t, cs)
-        local_len = cs[s + 1] - cs[s]  # = doc_len / W for divisible documents
-        i = t - cs[s]  # position inside this document's local share
+        local_len = _i32(cs[s + 1] - cs[s])  # = doc_len / W for divisible documents
+        i = _i32(t - cs[s])  # position inside this document's local share
         half = _c_div(local_len, 2)  # = doc_len / (2W)
-        offset = rank if i < half else 2 * world_size - 2 - rank
-        out.append(i + cs[s] * world_size + half * offset)
+        offset = rank if i < half else _i32(2 * world_size - 2 - rank)
+        out.append(_i32(i + _i32(cs[s] * world_size) + _i32(half * offset)))
     return torch.tensor(out, dtype=torch.int32, device=cu_seqlens.device)

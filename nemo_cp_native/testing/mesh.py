@@ -25,13 +25,13 @@ class _Mesh:
     def __init__(self, size, rank):
         self._group = _Group(size, rank)
 
-    def size(self):
+    def size(self, mesh_dim=None):
         return self._group.size()
 
-    def get_group(self):
+    def get_group(self, mesh_dim=None):
         return self._group
 
-    def get_local_rank(self):
+    def get_local_rank(self, mesh_dim=None):
         return self._group.rank()
 
 
@@ -42,10 +42,10 @@ def fake_mesh(size: int, rank: int):
         yield None
         return
     mesh = _Mesh(size, rank)
-    saved = dist.is_initialized, dist.get_rank
-    dist.is_initialized = lambda: True
-    dist.get_rank = lambda group=None: group.rank() if isinstance(group, _Group) else saved[1](group)
+    saved = dist.is_available, dist.is_initialized, dist.get_rank
+    dist.is_available, dist.is_initialized = (lambda: True), (lambda: True)
+    dist.get_rank = lambda group=None: group.rank() if isinstance(group, _Group) else mesh.get_local_rank()
     try:
         yield mesh
     finally:
-        dist.is_initialized, dist.get_rank = saved
+        dist.is_available, dist.is_initialized, dist.get_rank = saved

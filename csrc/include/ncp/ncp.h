@@ -79,21 +79,27 @@ ncp_status ncp_thd_partition_cpu(const ncp_thd_partition_params *p);
 ncp_status ncp_thd_partition_cuda(const ncp_thd_partition_params *p, void *stream);
 /* Host check of boundaries: cu[0] >= 0, non-decreasing, every length a multiple of 2*cp_size. */
 ncp_status ncp_thd_partition_validate(const int32_t *cu_seqlens, int32_t n_cu, int32_t cp_size);
+/* The same, plus cu_seqlens[n_cu-1] <= total_tokens (TE reads past the stream otherwise and
+ * returns indices >= total_tokens). For validating callers; TE itself does not check it. */
+ncp_status ncp_thd_partition_validate_total(const int32_t *cu_seqlens, int32_t n_cu, int32_t cp_size,
+                                            int64_t total_tokens);
 
 /* ------------------------------------------------------------------------------------------ */
-/* MiMo THD sharder: host layout + one fused shard pass                                         */
+/* MiMo THD sharder: host layout + one fused shard pass, in one call                            */
 /* ------------------------------------------------------------------------------------------ */
 
 #define NCP_SEQ_LENS_SENTINEL (-1000)
 
 typedef struct {
-    const int64_t *seq_lens;        /* (B, n_real) row-major real document lengths, sentinel = none */
-    const int64_t *seq_lens_padded; /* (B, n_pad) row-major padded document lengths, sentinel = none */
+    const void *seq_lens;        /* (B, n_real) int32/int64 real document lengths, sentinel = none */
+    const void *seq_lens_padded; /* (B, n_pad) int32/int64 padded document lengths, sentinel = none */
+    ncp_dtype sl_dt, slp_dt;
+    int64_t sl_st0, sl_st1, slp_st0, slp_st1; /* element strides of the two tables */
     int64_t B, S, n_real, n_pad;
-    int32_t num_chunks;             /* C >= 1, divides B */
-    int32_t cp_size;                /* W >= 1 */
-    int64_t sentinel;               /* seq_lens_padding_value (-1000) */
-    int64_t *buf;                   /* (buf_words,) workspace from ncp_mimo_layout_words */
+    int32_t num_chunks;          /* C >= 1, divides B */
+    int32_t cp_size;             /* W >= 1 */
+    int64_t sentinel;            /* seq_lens_padding_value (-1000) */
+    int64_t *buf;                /* (buf_words,) host workspace from ncp_mimo_layout_words */
     int64_t buf_words;
 } ncp_mimo_layout_params;
 
@@ -108,7 +114,7 @@ typedef struct {
     int64_t total_words;
 } ncp_mimo_layout_info;
 
-/* Upper bound of words ncp_mimo_layout needs for these shapes. */
+/* Upper bound of words ncp_mimo_layout needs for these shapes (0 for invalid shapes). */
 int64_t ncp_mimo_layout_words(int64_t B, int64_t n_real, int64_t n_pad, int32_t num_chunks);
 
 /* Host pass of shard_batch_for_mimo_te over every chunk: MiMo's validation (W > 1, with the
@@ -117,10 +123,32 @@ int64_t ncp_mimo_layout_words(int64_t B, int64_t n_real, int64_t n_pad, int32_t 
  * inputs the reference handles by raising from torch (a chunk with no real length). */
 ncp_status ncp_mimo_layout(const ncp_mimo_layout_params *p, ncp_mimo_layout_info *info);
 
+/* Which outputs one sharder call writes (bit set). The local-index map is always written. */
+enum {
+    NCP_MIMO_TOKENS = 1, /* input_ids and labels gathered to int64 (W > 1) */
+    NCP_MIMO_POS = 2,    /* position_ids gathered to int64 (needs NCP_MIMO_TOKENS) */
+    NCP_MIMO_PAD = 4,    /* padding mask */
+    NCP_MIMO_IMAGE = 8,  /* global image-placeholder mask */
+    NCP_MIMO_VIDEO = 16, /* global video-placeholder mask */
+};
+
+/* Carving of the one flat int64 output buffer of a sharder call; a pure function of the shapes
+ * (Python caches it). Blocks are row-major and contiguous; -1 marks an absent output. */
+typedef struct {
+    int64_t L, Tc;                               /* local tokens and tokens per chunk */
+    int64_t local_off, ids_off, lab_off, pos_off; /* word offsets of int64 (C, L) blocks */
+    int64_t pad_off, img_off, vid_off;           /* byte offsets of bool (C, L) / (C, Tc) blocks */
+    int64_t lay_off, lay_words;                  /* the layout block: kernel table, then the int32 outputs */
+    int64_t out_words;                           /* size of the whole buffer */
+} ncp_mimo_plan;
+
+ncp_status ncp_mimo_plan_make(int64_t B, int64_t S, int64_t n_real, int64_t n_pad, int32_t num_chunks,
+                              int32_t cp_size, unsigned outputs, ncp_mimo_plan *plan);
+
 typedef struct {
     const void *input_ids;     /* (B, S) int32/int64, any strides */
-    const void *labels;        /* (B, S) int32/int64 */
-    const void *position_ids;  /* (B, S) int32/int64 or NULL */
+    const void *labels;        /* (B, S) int32/int64, or NULL without NCP_MIMO_TOKENS */
+    const void *position_ids;  /* (B, S) int32/int64, or NULL without NCP_MIMO_POS */
     int64_t ids_st0, ids_st1, lab_st0, lab_st1, pos_st0, pos_st1; /* element strides */
     ncp_dtype ids_dt, lab_dt, pos_dt;
     const int64_t *table;      /* buf[0, kernel_words) of ncp_mimo_layout, on the kernel's device */
@@ -128,10 +156,10 @@ typedef struct {
     int32_t num_chunks, cp_size, cp_rank;
     int64_t image_token_id, video_token_id;
     int32_t has_image, has_video;
-    int64_t *out_ids;          /* (C, L) int64, W > 1 only */
-    int64_t *out_labels;       /* (C, L) int64, W > 1 only */
-    int64_t *out_pos;          /* (C, L) int64, W > 1 and position_ids given */
-    uint8_t *out_pad;          /* bool (C, L) at W > 1, (C, Tc) at W <= 1 */
+    int64_t *out_ids;          /* (C, L) int64, or NULL (then out_labels and out_pos are NULL too) */
+    int64_t *out_labels;       /* (C, L) int64 or NULL */
+    int64_t *out_pos;          /* (C, L) int64 or NULL */
+    uint8_t *out_pad;          /* bool (C, L), or NULL */
     int64_t *out_local;        /* (C, L) int64 local-token global indices (L = Tc at W <= 1) */
     uint8_t *out_image;        /* bool (C, Tc) global placeholder mask, or NULL */
     uint8_t *out_video;        /* bool (C, Tc) or NULL */
@@ -141,6 +169,26 @@ typedef struct {
  * padding mask, local indices and both media masks. */
 ncp_status ncp_mimo_shard_cpu(const ncp_mimo_shard_params *p);
 ncp_status ncp_mimo_shard_cuda(const ncp_mimo_shard_params *p, void *stream);
+
+/* One whole sharder call. The caller fills layout (without buf), shard (inputs, ids, ranks; the
+ * run sets table and the outputs from plan and out), plan and outputs. */
+typedef struct {
+    ncp_mimo_layout_params layout;
+    ncp_mimo_shard_params shard;
+    ncp_mimo_plan plan;
+    unsigned outputs;           /* NCP_MIMO_* bits the plan was made with */
+    int64_t *out;               /* (plan.out_words,) int64, on the device of the tokens */
+    int64_t *host;              /* (plan.lay_words,) host int64 that receives the layout block
+                                   (its int32 outputs) when the tokens are on a GPU and the
+                                   metadata on the host; NULL otherwise */
+} ncp_mimo_run_params;
+
+/* Host layout straight into out's layout block, then the CPU shard pass. */
+ncp_status ncp_mimo_run_cpu(ncp_mimo_run_params *p, ncp_mimo_layout_info *info);
+/* Host layout into a pinned staging slot, copied to out's layout block on `stream` (the whole
+ * block when host is NULL, the kernel table alone otherwise), then the fused kernel on `stream`.
+ * No host synchronization: the slot is reused only once its copy has completed (an event). */
+ncp_status ncp_mimo_run_cuda(ncp_mimo_run_params *p, ncp_mimo_layout_info *info, void *stream);
 
 /* ------------------------------------------------------------------------------------------ */
 /* Learned-sink attention                                                                      */
