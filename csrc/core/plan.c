@@ -148,17 +148,32 @@ static ncp_status build_window(const plan_ctx *x, const int32_t *local_pos, int3
     NCP_TRY(alloc_array(&pw->kv_src, Lkv));
     NCP_TRY(alloc_array(&pw->local_slot, L));
     NCP_TRY(alloc_array(&pw->recv_slot, R));
-    for (int64_t p = 0; p < x->T_pad; ++p) mark[p] = -1;
-    for (int32_t i = 0; i < L; ++i) mark[local_pos[i]] = i;
-    for (int32_t m = 0; m < R; ++m) mark[pw->recv_pos.data[m]] = L + m;
-    for (int64_t p = 0, j = 0; p < x->T_pad; ++p) {
-        if (mark[p] < 0) continue;
-        pw->kv_pos.data[j] = (int32_t)p;
-        pw->kv_src.data[j] = mark[p];
-        if (mark[p] < L) pw->local_slot.data[mark[p]] = (int32_t)j;
-        else pw->recv_slot.data[mark[p] - L] = (int32_t)j;
-        ++j;
+    /* The buffer's positions are the union of this rank's needed intervals (ivbuf, sorted, local
+     * keys included) followed by the local pad rows: walk them in order, O(L + R), and give each
+     * position its source (a local row, or the next row received from its owner). */
+    int32_t *cnt = mark; /* per-source running index into recv */
+    for (int32_t o = 0, base = 0; o < x->cp; ++o) {
+        cnt[o] = base;
+        base += pw->recv_counts.data[o];
     }
+    int64_t j = 0;
+    for (int64_t k = 0; k < n_iv; ++k)
+        for (int64_t p = ivbuf[k].a; p < ivbuf[k].b && j < Lkv; ++p, ++j) {
+            const int32_t c = (int32_t)(p / x->chunk), o = x->owner[c];
+            const int32_t src = o == x->rank ? x->chunk_slot[c] * x->chunk + (int32_t)(p - (int64_t)c * x->chunk)
+                                             : L + cnt[o]++;
+            pw->kv_pos.data[j] = (int32_t)p;
+            pw->kv_src.data[j] = src;
+            if (src < L) pw->local_slot.data[src] = (int32_t)j;
+            else pw->recv_slot.data[src - L] = (int32_t)j;
+        }
+    for (int32_t i = 0; i < L && j < Lkv; ++i) /* pad rows: positions past T, never seen, at the end */
+        if (local_pos[i] >= x->T) {
+            pw->kv_pos.data[j] = local_pos[i];
+            pw->kv_src.data[j] = i;
+            pw->local_slot.data[i] = (int32_t)j++;
+        }
+    NCP_CHECK(j == Lkv, NCP_ERR_INVALID_ARG, "plan: %lld buffer slots for %d rows", (long long)j, (int)Lkv);
 
     /* Per query: first visible position and its buffer range [row_lo, row_hi] (NCP_MASK_TABLE).
      * Local rows ascend in position, so both bounds are non-decreasing; pad rows (positions past
@@ -226,7 +241,7 @@ ncp_status ncp_plan_build(const int32_t *cu, int32_t n_cu, int32_t cp_size, int3
     plan->cp_rank = cp_rank;
     ncp_status st = alloc_array(&plan->owner, x.n_chunks);
     int32_t *slots = (int32_t *)malloc((size_t)x.n_chunks * sizeof(int32_t));
-    int32_t *mark = (int32_t *)malloc((size_t)x.T_pad * sizeof(int32_t));
+    int32_t *mark = (int32_t *)malloc((size_t)(cp_size > x.n_chunks ? cp_size : x.n_chunks) * sizeof(int32_t));
     ival *ivbuf = (ival *)malloc((size_t)(x.n_chunks + n_cu + 1) * sizeof(ival));
     plan->windows = (ncp_plan_window *)calloc((size_t)n_windows, sizeof(ncp_plan_window));
     if (st == NCP_OK && (!slots || !mark || !ivbuf || !plan->windows))
