@@ -1,0 +1,96 @@
+"""Host time per call of the hot paths, measured with the GPU kept busy (issue 16).
+
+A long GPU spin is queued first (``torch.cuda._sleep``), then the call is timed on the host clock:
+its host work overlaps the spin, so the figure is what the host spends (argument checks,
+allocations, DLPack, launches), not GPU time; a call that synced would wait for the spin and show
+it. Median over repetitions. Rows: ``ncp.sink_attention`` forward (no grad) and backward
+(``out.backward``), Flint 32/4/128 at 64k tokens with 8k documents, window 0 and 513, next to
+SDPA's forward; the sync count of each call (``torch.cuda.set_sync_debug_mode``).
+
+    python benchmarks/bench_host.py [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import env_record, print_table, write_json  # noqa: E402
+
+import nemo_cp_native as ncp  # noqa: E402
+from nemo_cp_native.testing import count_syncs, doc_lengths, make_attention_case  # noqa: E402
+
+
+def host_us(fn, reps: int = 50, spin: int = 20_000_000) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        torch.cuda._sleep(spin)  # ~10 ms of GPU work queued ahead of the call
+        t0 = time.perf_counter_ns()
+        fn()
+        ts.append((time.perf_counter_ns() - t0) / 1e3)
+        torch.cuda.synchronize()
+    return statistics.median(ts)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    T, hq, hkv, d = 65536, 32, 4, 128
+    c = make_attention_case(doc_lengths(T, "equal:8192"), hq, hkv, d, device="cuda", requires_grad=True)
+    q, k, v, s, cu = c["q"], c["k"], c["v"], c["sink"], c["cu_seqlens"]
+    rows = []
+    for w in (0, 513):
+        def fwd():
+            with torch.no_grad():
+                ncp.sink_attention(q, k, v, s, cu, window=w)
+
+        out = ncp.sink_attention(q, k, v, s, cu, window=w)
+        dout = torch.randn_like(out)
+        outs = []
+
+        def prep():  # a fresh graph per backward, built outside the timed region
+            outs.append(ncp.sink_attention(q, k, v, s, cu, window=w))
+
+        def bwd():
+            outs.pop().backward(dout)
+
+        fwd_us = host_us(fwd)
+        bwd_ts = []
+        for _ in range(30):
+            prep()
+            torch.cuda.synchronize()
+            torch.cuda._sleep(20_000_000)
+            t0 = time.perf_counter_ns()
+            bwd()
+            bwd_ts.append((time.perf_counter_ns() - t0) / 1e3)
+            torch.cuda.synchronize()
+        prep()
+        rows.append({"op": f"sink_attention w{w}", "fwd_host_us": round(fwd_us, 1),
+                     "bwd_host_us": round(statistics.median(bwd_ts[3:]), 1), "fwd_syncs": count_syncs(fwd),
+                     "bwd_syncs": count_syncs(bwd)})  # fmt: skip
+    qs, ks, vs = (t.detach().transpose(0, 1).unsqueeze(0) for t in (q[:8192], k[:8192].repeat_interleave(8, 1),
+                                                                     v[:8192].repeat_interleave(8, 1)))  # fmt: skip
+
+    def sdpa():
+        with torch.no_grad():
+            torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
+
+    rows.append({"op": "SDPA causal (8k, no sink)", "fwd_host_us": round(host_us(sdpa), 1), "bwd_host_us": None,
+                 "fwd_syncs": count_syncs(sdpa), "bwd_syncs": None})  # fmt: skip
+    print_table(rows, list(rows[0]))
+    write_json(args.json, {"env": env_record(), "method": "queued 20M-cycle spin, host clock, median", "rows": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
