@@ -106,12 +106,14 @@ def _pass_fn(batch, C, cp, rank):
     plan = nat._plan((ids.shape[0], ids.shape[1], sl.shape[1], slp.shape[1], C, cp, outputs))
     out = torch.empty(plan.out_words, dtype=torch.int64, device=ids.device)
     host = torch.empty(plan.lay_words, dtype=torch.int64) if ids.is_cuda else None
-    caps = [to_dlpack(t) for t in (ids, labels, pos, sl, slp, out)] + [None if host is None else to_dlpack(host)]
-    args = [*caps, C, cp, rank, IMG, VID, -1000, outputs, nat._stream(ids.device)]
+    names = ("input_ids", "labels", "position_ids", "seq_lens", "seq_lens_padded", "out")
+    args = {n: to_dlpack(t) for n, t in zip(names, (ids, labels, pos, sl, slp, out))}
+    args.update(host=None if host is None else to_dlpack(host), num_chunks=C, cp_size=cp, cp_rank=rank,
+                image_token_id=IMG, video_token_id=VID, sentinel=-1000, outputs=outputs, stream=nat._stream(ids.device))
     keep = (out, host)  # the capsules borrow these
 
     def run():
-        _C.mimo_run(*args)
+        _C.mimo_run(**args)
         return keep
 
     return run

@@ -174,13 +174,15 @@ def _run(input_ids, labels, pos, sl, slp, C, W, rank, image_id, video_id, output
     out = torch.empty(plan.out_words, dtype=torch.int64, device=dev)
     host = torch.empty(plan.lay_words, dtype=torch.int64) if input_ids.is_cuda and not meta_on_gpu else None
     try:
-        caps = (to_dlpack(input_ids), to_dlpack(labels), None if pos is None else to_dlpack(pos), to_dlpack(sl),
-                to_dlpack(slp), to_dlpack(out), None if host is None else to_dlpack(host))  # fmt: skip
+        caps = dict(input_ids=to_dlpack(input_ids), labels=to_dlpack(labels),
+                    position_ids=None if pos is None else to_dlpack(pos), seq_lens=to_dlpack(sl),
+                    seq_lens_padded=to_dlpack(slp), out=to_dlpack(out), host=None if host is None else to_dlpack(host))  # fmt: skip
     except (BufferError, RuntimeError) as exc:  # e.g. a meta or sparse tensor: the reference decides
         raise Fallback(f"a tensor cannot cross DLPack: {exc}") from None
     cu_off, cu_w, cup_off, cup_w, max_off, emit = _C.mimo_run(
-        *caps, C, W, rank, image_id, video_id, sentinel, outputs, _stream(dev)
-    )
+        **caps, num_chunks=C, cp_size=W, cp_rank=rank, image_token_id=image_id, video_token_id=video_id,
+        sentinel=sentinel, outputs=outputs, stream=_stream(dev),
+    )  # fmt: skip
     views = {}  # out and host are fresh (storage offset 0), so plan offsets are storage offsets
     as_bool = out.view(torch.bool)
     for name, is_bool, size, stride, offset in plan.views:

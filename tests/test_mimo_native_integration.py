@@ -296,10 +296,11 @@ def test_one_call_writes_every_output_and_nothing_else(cp, C, device, meta, ncp_
     plan = nat._plan((4, ids.shape[1], sl.shape[1], slp.shape[1], C, cp, outputs))
     out_buf, out = _guarded(plan.out_words, device)
     host_buf, host = _guarded(plan.lay_words, "cpu") if (device, meta) == ("cuda", "cpu") else (None, None)
-    info = _C.mimo_run(to_dlpack(ids), to_dlpack(labels), None if pos is None else to_dlpack(pos), to_dlpack(sl),
-                       to_dlpack(slp),
-                       to_dlpack(out), None if host is None else to_dlpack(host), C, cp, rank, IMG, VID, -1000,
-                       outputs, nat._stream(ids.device))  # fmt: skip
+    info = _C.mimo_run(input_ids=to_dlpack(ids), labels=to_dlpack(labels),
+                       position_ids=None if pos is None else to_dlpack(pos), seq_lens=to_dlpack(sl),
+                       seq_lens_padded=to_dlpack(slp), out=to_dlpack(out), host=None if host is None else to_dlpack(host),
+                       num_chunks=C, cp_size=cp, cp_rank=rank, image_token_id=IMG, video_token_id=VID, sentinel=-1000,
+                       outputs=outputs, stream=nat._stream(ids.device))  # fmt: skip
     poison = int(torch.full((8,), PATTERN, dtype=torch.uint8).view(torch.int64))
     for buf in (out_buf, host_buf):
         if buf is not None:

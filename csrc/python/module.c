@@ -121,12 +121,22 @@ static PyObject *py_mimo_plan(PyObject *m, PyObject *const *args, Py_ssize_t nar
                          (long long)pl.out_words);
 }
 
-static PyObject *py_mimo_run(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
-    /* (input_ids, labels, position_ids, seq_lens, seq_lens_padded, out, host, num_chunks, cp_size, cp_rank,
-     *  image_token_id, video_token_id, sentinel, outputs, stream) -> (cu_off, cu_width, cup_off, cup_width,
-     *  maxlen_off, emit_padded), word offsets into the layout block (out[lay_off:], or host) */
+static ncp_kwspec mimo_run_spec = {"mimo_run", 15, 0x3fbb,
+                                   {"input_ids", "labels", "position_ids", "seq_lens", "seq_lens_padded", "out", "host",
+                                    "num_chunks", "cp_size", "cp_rank", "image_token_id", "video_token_id", "sentinel",
+                                    "outputs", "stream"},
+                                   {0}};
+
+static PyObject *py_mimo_run(PyObject *m, PyObject *const *kwargs, Py_ssize_t nargs, PyObject *kwnames) {
+    /* keyword-only: (input_ids, labels, position_ids=None, seq_lens, seq_lens_padded, out, host=None,
+     *  num_chunks, cp_size, cp_rank, image_token_id, video_token_id, sentinel, outputs, stream=None)
+     *  -> (cu_off, cu_width, cup_off, cup_width, maxlen_off, emit_padded), word offsets into the
+     *  layout block (out[lay_off:], or host) */
     (void)m;
-    if (ncp_py_nargs("mimo_run", nargs, 15) < 0) return NULL;
+    PyObject *args[15];
+    if (ncp_py_kwargs(&mimo_run_spec, kwargs, nargs, kwnames, args) < 0) return NULL;
+    for (int i = 0; i < 15; ++i)
+        if (args[i] == NULL) args[i] = Py_None;
     static const char *names[NCP_PYM_NVIEWS] = {"input_ids", "labels", "position_ids", "seq_lens",
                                                 "seq_lens_padded", "out", "host"};
     static const int optional[NCP_PYM_NVIEWS] = {0, 1, 1, 0, 0, 0, 1};
@@ -166,9 +176,10 @@ static PyMethodDef methods[] = {
      "with total_tokens, that cu_seqlens[-1] <= total_tokens)."},
     {"mimo_plan", (PyCFunction)(void (*)(void))py_mimo_plan, METH_FASTCALL,
      "mimo_plan(B, S, n_real, n_pad, num_chunks, cp_size, outputs) -> carving of the flat output buffer."},
-    {"mimo_run", (PyCFunction)(void (*)(void))py_mimo_run, METH_FASTCALL,
-     "mimo_run(input_ids, labels, position_ids, seq_lens, seq_lens_padded, out, host, num_chunks, cp_size, cp_rank, "
-     "image_token_id, video_token_id, sentinel, outputs, stream) -> layout offsets: one whole MiMo sharder call."},
+    {"mimo_run", (PyCFunction)(void (*)(void))py_mimo_run, METH_FASTCALL | METH_KEYWORDS,
+     "mimo_run(*, input_ids, labels, position_ids=None, seq_lens, seq_lens_padded, out, host=None, num_chunks, cp_size, "
+     "cp_rank, image_token_id, video_token_id, sentinel, outputs, stream=None) -> layout offsets: one whole MiMo "
+     "sharder call."},
     NCP_ATTN_METHODS,
     {"build_info", py_build_info, METH_NOARGS, "build_info() -> dict describing this build."},
     {NULL, NULL, 0, NULL},
