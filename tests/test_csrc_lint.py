@@ -92,3 +92,13 @@ def test_no_runtime_switch_matrix():
     hooks are one struct set from Python, read once per call)."""
     n = sum(_code(p).count("getenv") for p in SOURCES)
     assert n <= 3, f"{n} getenv calls in csrc"
+
+
+def test_the_stub_states_every_native_function():
+    """nemo_cp_native/_C.pyi declares exactly the functions the extension exports."""
+    import nemo_cp_native._C as C
+
+    stub = (CSRC.parent / "nemo_cp_native" / "_C.pyi").read_text()
+    declared = set(re.findall(r"^def (\w+)\(", stub, flags=re.M))
+    exported = {n for n in dir(C) if callable(getattr(C, n)) and not n.startswith("_") and n != "Fallback"}
+    assert declared == exported, (sorted(declared - exported), sorted(exported - declared))
