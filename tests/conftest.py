@@ -61,3 +61,9 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords and not CUDA_READY:
             item.add_marker(skip_cuda)
+
+
+def pytest_report_header(config):
+    """The fuzz seed of this run (tests/test_fuzz.py), drawn here so the header can show it."""
+    seed = os.environ.setdefault("NCP_FUZZ_SEED", str(random.SystemRandom().randrange(1, 2**31 - 1)))
+    return f"ncp fuzz seed: NCP_FUZZ_SEED={seed} (tests/test_fuzz.py)"
