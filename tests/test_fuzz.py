@@ -103,6 +103,8 @@ def _run_job(seed: int, plan: list, out_dir: str, job: int) -> list[dict]:
                "--plan", spec, "--out", path]  # fmt: skip
         env = dict(os.environ, PYTHONHASHSEED="0", OMP_NUM_THREADS="1")
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=HERE, timeout=3600)
+        if "runtime error:" in proc.stderr or "Sanitizer" in proc.stderr:  # test_sanitizers.py reads them
+            sys.stderr.write(proc.stderr)
         lines = []
         if os.path.exists(path):
             with open(path) as f:

@@ -55,7 +55,7 @@ needs_upstream = pytest.mark.skipif(not _have_upstream_mimo(), reason="nemo_auto
 
 
 def _env(**extra) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("NCP_PATCH", "RANK", "LOCAL_RANK")}
+    env = {k: v for k, v in os.environ.items() if k not in ("NCP_PATCH", "RANK", "LOCAL_RANK", "NCP_FORCE_CUDA")}
     env.update(extra)
     return env
 

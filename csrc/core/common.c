@@ -30,7 +30,10 @@ int ncp_built_with_cuda(void) {
 
 const char *ncp_cuda_archs(void) { return NCP_CUDA_ARCHS_STR; }
 
-int32_t ncp_sink_attn_bwd_n_part(int32_t Tq) { return Tq <= 0 ? 1 : (Tq + NCP_BWD_PRE_ROWS - 1) / NCP_BWD_PRE_ROWS; }
+/* Rows per pre-pass block, rounded up; in 64 bits, so Tq near INT32_MAX does not overflow. */
+int32_t ncp_sink_attn_bwd_n_part(int32_t Tq) {
+    return Tq <= 0 ? 1 : (int32_t)(((int64_t)Tq + NCP_BWD_PRE_ROWS - 1) / NCP_BWD_PRE_ROWS);
+}
 
 #ifndef NCP_WITH_CUDA
 int ncp_sink_attn_fwd_variant(void) { return 0; }
