@@ -230,6 +230,13 @@ def _mutate_batch(batch: dict, opts: dict, rng) -> tuple[str, str]:
     return m, ""
 
 
+def _via_sharder(module, batch: dict, opts: dict):
+    sharder = module.make_mimo_te_cp_sharder(model=None, **{"image_token_id": None, "video_token_id": None,
+                                                            "num_chunks": 1, **opts})  # fmt: skip
+    ctx, out = sharder.shard(dict(batch))
+    return ctx, out, sharder.shard_layout
+
+
 def gen_mimo(rng: random.Random, g: torch.Generator) -> Case:
     batch, opts, cp = draw_case(g)
     mesh = pick(rng, case_meshes(cp, g))
@@ -245,6 +252,12 @@ def gen_mimo(rng: random.Random, g: torch.Generator) -> Case:
     desc = f"cp={cp} mesh={mesh} {kind} {what} opts={opts} batch={shapes}"
     oracle = lambda: ref.shard_batch_for_mimo_te(*make(), **opts)  # noqa: E731
     native = lambda: nat.shard_batch_for_mimo_te(*make(), **opts)  # noqa: E731
+    if rng.random() < 0.2 and not meta:  # through make_mimo_te_cp_sharder(...).shard(batch), as the framework does
+        mesh, kind = None, "sharder_" + kind
+        sopts = {k: opts[k] for k in ("num_chunks", "image_token_id", "video_token_id") if k in opts}
+        oracle = lambda: _via_sharder(ref, frozen, sopts)  # noqa: E731
+        native = lambda: _via_sharder(nat, frozen, sopts)  # noqa: E731
+        desc = f"make_mimo_te_cp_sharder(...).shard(batch) without a mesh; drawn: {desc}"
     ctx = lambda: fake_dist(mesh) if mesh is not None else contextlib.nullcontext()  # noqa: E731
     if meta:  # the oracle cannot compute on meta: a clear error naming a tensor argument
         return Case("mimo/meta", desc, native, oracle, names=("input_ids", "labels", "position_ids", "seq_lens"),
