@@ -9,11 +9,18 @@ Knobs (environment):
     NCP_FORCE_CUDA=1   fail instead of building CPU-only when nvcc is missing
     NCP_NO_CUDA=1      build CPU-only even when nvcc is present
     NCP_DEBUG=1        -O0 -g, asserts on, nvcc -G
-    NCP_SANITIZE=1     ASan/UBSan on the C part
+    NCP_SANITIZE=1     ASan/UBSan on the C part (-O1, -fno-wrapv: CPython's -fwrapv is removed so
+                       UBSan sees signed overflow). Load it with the sanitizer runtimes first:
+                       LD_PRELOAD="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libstdc++.so)"
+                       ASAN_OPTIONS=detect_leaks=0 python ...   (README, "Robustness")
     NCP_PTXAS_VERBOSE=1  keep nvcc's register/spill report in build/ncp_ptxas/<file>.txt
     NCP_NVCC_JOBS      parallel nvcc processes (default: CPU count)
 CUDA objects are cached under build/ncp_cuda/<hash>.o, keyed by source, headers, flags and the
 nvcc version, so an unchanged tree links without recompiling.
+
+Besides the package, the build installs ``nemo_cp_native_hook.py`` and ``nemo_cp_native_hook.pth``
+at the top of site-packages (``pip install .`` and ``pip install -e .``): the opt-in
+``NCP_PATCH=1`` hook that patches NeMo Automodel in every process (see that module).
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import sysconfig
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
+from setuptools.command.build_py import build_py
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 CSRC = os.path.join(ROOT, "csrc")
@@ -90,9 +98,21 @@ class NcpBuildExt(build_ext):
         if debug:
             ext.extra_compile_args += ["-O0", "-g", "-UNDEBUG", "-DNCP_DEBUG=1"]
         if _env_flag("NCP_SANITIZE"):
-            ext.extra_compile_args += ["-fsanitize=address,undefined", "-fno-omit-frame-pointer"]
-            ext.extra_link_args += ["-fsanitize=address,undefined"]
+            self._sanitize(ext)
         super().build_extensions()
+
+    def _sanitize(self, ext) -> None:
+        """ASan + UBSan on the C part. CPython's CFLAGS carry -fwrapv, which makes signed
+        overflow defined and so invisible to UBSan: take it out of the compiler command and
+        add -fno-wrapv after everything else."""
+        for attr in ("compiler_so", "compiler", "compiler_cxx"):
+            cmd = getattr(self.compiler, attr, None)
+            if isinstance(cmd, list):
+                setattr(self.compiler, attr, [a for a in cmd if a != "-fwrapv"])
+        flags = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-fno-wrapv", "-O1", "-g"]
+        ext.extra_compile_args += flags
+        ext.extra_link_args += ["-fsanitize=address,undefined"]
+        print("nemo_cp_native: sanitizer build (ASan + UBSan, -fno-wrapv)", file=sys.stderr)
 
     def _compile_cuda(self, nvcc: str, archs: str, debug: bool) -> list[str]:
         sources = sorted(glob.glob(os.path.join(CSRC, "cuda", "**", "*.cu"), recursive=True))
@@ -151,6 +171,57 @@ class NcpBuildExt(build_ext):
         return [o for _, o in jobs]
 
 
+def _hook_pth_line() -> str:
+    """The one line of nemo_cp_native_hook.pth, from the hook module itself (torch-free)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_ncp_hook_src", os.path.join(ROOT, "nemo_cp_native_hook.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.PTH_LINE, mod.PTH_NAME
+
+
+def _write_hook_pth(directory: str) -> str:
+    line, name = _hook_pth_line()
+    os.makedirs(directory, exist_ok=True)
+    dest = os.path.join(directory, name)
+    with open(dest, "w") as f:
+        f.write(line)
+    return dest
+
+
+class NcpBuildPy(build_py):
+    """Also writes nemo_cp_native_hook.pth at the root of the build, so of the wheel and of
+    site-packages (``pip install .``)."""
+
+    def run(self):
+        super().run()
+        _write_hook_pth(self.build_lib)
+
+    def get_outputs(self, include_bytecode=True):
+        return super().get_outputs(include_bytecode) + [os.path.join(self.build_lib, _hook_pth_line()[1])]
+
+
+CMDCLASS = {"build_ext": NcpBuildExt, "build_py": NcpBuildPy}
+try:
+    from setuptools.command.editable_wheel import editable_wheel
+except ImportError:  # pragma: no cover - setuptools < 64: `python -m nemo_cp_native_hook install`
+    editable_wheel = None
+if editable_wheel is not None and hasattr(editable_wheel, "_run_build_commands"):
+
+    class NcpEditableWheel(editable_wheel):
+        """``pip install -e .`` (PEP 660): setuptools maps packages and modules to the tree but
+        drops files that build_py writes at the root, so put the .pth into the unpacked editable
+        wheel itself (everything there is installed into site-packages)."""
+
+        def _run_build_commands(self, dist_name, unpacked_wheel, build_lib, tmp_dir):
+            result = super()._run_build_commands(dist_name, unpacked_wheel, build_lib, tmp_dir)
+            _write_hook_pth(str(unpacked_wheel))
+            return result
+
+    CMDCLASS["editable_wheel"] = NcpEditableWheel
+
+
 ext = Extension(
     "nemo_cp_native._C",
     sources=_c_sources(),
@@ -166,4 +237,4 @@ ext = Extension(
 if sysconfig.get_config_var("CC") is None:  # pragma: no cover - exotic interpreters
     raise RuntimeError("a C compiler is required to build nemo_cp_native")
 
-setup(ext_modules=[ext], cmdclass={"build_ext": NcpBuildExt})
+setup(ext_modules=[ext], cmdclass=CMDCLASS)

@@ -17,6 +17,7 @@ every rank raise the same error before any communication.
 from __future__ import annotations
 
 import contextlib
+import math
 import logging
 import os
 from dataclasses import dataclass, field
@@ -222,6 +223,8 @@ class FlintMagiPlan:
         """Local THD attention output [tokens, query_heads, head_dim] with the plan's K/V exchange."""
         mkey = self._key(window)
         _check_local(mkey, query, key, value, sink)
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+            raise ValueError(f"scale must be a finite float; got {scale!r}")
         if mkey.cp_size > 1 and not isinstance(mkey.group, dist.ProcessGroup):
             raise ValueError("this plan was built for simulated ranks; run it with nemo_cp_native.testing.simulate_cp_attention")
         q, k, v = (t.contiguous() for t in (query, key, value))
@@ -235,6 +238,9 @@ def _check_local(mkey: MagiAttentionKey, q: Tensor, k: Tensor, v: Tensor, sink: 
     L = mkey.num_local_tokens
     if not all(isinstance(t, Tensor) for t in (q, k, v, sink)):
         raise TypeError("query, key, value and sink must be tensors")
+    for name, t in (("query", q), ("key", k), ("value", v), ("sink", sink)):
+        if t.device.type == "meta":
+            raise ValueError(f"{name} is a meta tensor; Flint CP attention needs real data")
     if q.ndim != 3 or q.shape[0] != L or q.shape[1] != mkey.num_heads_q:
         raise ValueError(
             f"query must have shape ({L}, {mkey.num_heads_q}, head_dim) for this plan "
@@ -267,6 +273,8 @@ class FlintMagiBatchPlans:
                 f"{getattr(microbatch_index, 'dtype', type(microbatch_index).__name__)} "
                 f"{tuple(getattr(microbatch_index, 'shape', ()))}"
             )
+        if microbatch_index.device.type == "meta":
+            raise ValueError("microbatch_index is a meta tensor; it must hold the index (CPU, or GPU with one sync)")
         i = int(microbatch_index.reshape(()).item())
         if not 0 <= i < len(self.plans):
             raise ValueError(f"microbatch_index {i} is out of range for {len(self.plans)} plans")
@@ -276,6 +284,8 @@ class FlintMagiBatchPlans:
 def _group_size_rank(group) -> tuple[int, int]:
     if group is None:
         return 1, 0
+    if not (callable(getattr(group, "size", None)) and callable(getattr(group, "rank", None))):
+        raise ValueError(f"group must be a process group (with size() and rank()) or None; got {type(group).__name__}")
     size, rank = group.size(), group.rank()
     if not isinstance(size, int) or not isinstance(rank, int) or not 0 <= rank < size:
         raise ValueError(f"group must report size() > rank() >= 0; got size={size!r}, rank={rank!r}")
@@ -288,6 +298,23 @@ def _config_int(config, name: str, default=None) -> Optional[int]:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"config.{name} must be a non-negative int; got {value!r}")
+    if value >= 2**31:
+        raise ValueError(f"config.{name} must be < 2^31; got {value!r}")
+    return value
+
+
+_MAX_CHUNKS = 1 << 26  # chunks of one pack: the partition's tables hold one entry each
+
+
+def _min_chunks_per_rank() -> int:
+    """MagiAttention's MAGI_ATTENTION_MIN_CHUNKS_PER_RANK (default 8), a positive int."""
+    raw = os.environ.get("MAGI_ATTENTION_MIN_CHUNKS_PER_RANK", "8")
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        value = -1
+    if not 0 < value < 2**31:
+        raise ValueError(f"MAGI_ATTENTION_MIN_CHUNKS_PER_RANK must be a positive int; got {raw!r}")
     return value
 
 
@@ -309,8 +336,17 @@ def _build_magi_plan(cu_seqlens: Tensor, config, group) -> FlintMagiPlan:
     chunk = DEFAULT_CHUNK_SIZE if chunk is None else chunk
     if chunk == 0:
         raise ValueError("config.magi_chunk_size must be a positive int (or None for the default 512); got 0")
-    min_chunks = int(os.environ.get("MAGI_ATTENTION_MIN_CHUNKS_PER_RANK", "8"))
+    min_chunks = _min_chunks_per_rank()
     cp, rank = _group_size_rank(group)
+    if cu_seqlens.numel() >= 2:  # refuse packs whose tables cannot be built, before allocating them
+        try:
+            chunk_eff, padded = _C.magi_geometry(int(cu_seqlens[-1]), cp, chunk, min_chunks)
+        except ValueError:  # the plan build below names what is wrong with cu_seqlens
+            chunk_eff, padded = 1, 0
+        if padded // chunk_eff > _MAX_CHUNKS:
+            raise ValueError(f"cu_seqlens: a pack of {int(cu_seqlens[-1])} tokens in chunks of {chunk_eff} needs "
+                             f"{padded // chunk_eff} chunks; at most {_MAX_CHUNKS} are supported (raise "
+                             f"config.magi_chunk_size)")  # fmt: skip
     windows = (0, window) if window > 0 else (0,)
     raw = _C.plan_build(dl(cu_seqlens.contiguous()), cp, rank, chunk, min_chunks, windows)
     local = _i32(raw["local_pos"])

@@ -61,3 +61,20 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords and not CUDA_READY:
             item.add_marker(skip_cuda)
+
+
+def pytest_configure(config):
+    """Draw the fuzz seed of this run (tests/test_fuzz.py) up front, so that the header and the
+    summary can show it; NCP_FUZZ_SEED set by the caller replays a run."""
+    os.environ.setdefault("NCP_FUZZ_SEED", str(random.SystemRandom().randrange(1, 2**31 - 1)))
+
+
+def pytest_report_header(config):
+    return f"ncp fuzz seed: NCP_FUZZ_SEED={os.environ['NCP_FUZZ_SEED']} (tests/test_fuzz.py)"
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """The fuzz seed again at the end, where ``-q`` (which hides the header) still shows it."""
+    seed = os.environ.get("NCP_FUZZ_SEED")
+    if seed:
+        terminalreporter.write_line(f"ncp fuzz seed: NCP_FUZZ_SEED={seed} (replays tests/test_fuzz.py)")

@@ -279,9 +279,9 @@ def test_strided_inputs_and_dout(ncp_seed):
 
 def _table_case(g, tq, tk, hq, hkv, d, dtype, all_empty=False):
     """Non-decreasing row bounds with empty rows (lo > hi), among them the first, and keys nobody sees."""
-    lo = torch.randint(0, tk + 1, (tq,), generator=g).sort().values
-    hi = torch.randint(-1, tk, (tq,), generator=g).sort().values
-    hi[0] = -1  # at least one row sees nothing
+    lo = torch.randint(0, 3 * tk // 4, (tq,), generator=g).sort().values
+    hi = (lo + torch.randint(-8, tk // 4, (tq,), generator=g)).clamp(-1, tk - 1).cummax(0).values
+    hi[0] = -1  # at least one row sees nothing (hi stays non-decreasing: -1 is the least bound)
     if all_empty:
         lo, hi = torch.full((tq,), tk // 2), torch.full((tq,), tk // 2 - 1)
     mask = AttnMask(row_lo=lo.to(torch.int32), row_hi=hi.to(torch.int32))

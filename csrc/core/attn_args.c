@@ -222,7 +222,7 @@ ncp_status ncp_sink_attn_validate(const ncp_sink_attn_params *p, int on_cuda) {
     NCP_ARG_CHECK(p->Hq > 0 && p->Hkv > 0 && p->Hq % p->Hkv == 0,
                   "the number of query heads (%" PRId32 ") must be a positive multiple of the kv heads (%" PRId32 ")",
                   p->Hq, p->Hkv);
-    NCP_ARG_CHECK(p->D > 0, "head_dim must be > 0; got %" PRId32, p->D);
+    NCP_ARG_CHECK(p->D > 0, "q, k and v must have head_dim > 0; got %" PRId32, p->D);
     NCP_ARG_CHECK(p->Tq == 0 || (p->q && p->out && p->lse), "q, out and lse must not be NULL");
     NCP_ARG_CHECK(p->Tk == 0 || (p->k && p->v), "k and v must not be NULL");
     NCP_ARG_CHECK(isfinite(p->scale), "scale must be finite; got %g", p->scale);

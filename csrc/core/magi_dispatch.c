@@ -32,7 +32,7 @@ ncp_status ncp_magi_geometry(int64_t total, int32_t cp_size, int32_t requested_c
                   total, cp_size, (total + chunk - 1) / chunk, chunk);
     const int64_t unit = chunk * cp_size;
     const int64_t padded = (total + unit - 1) / unit * unit;
-    NCP_ARG_CHECK(padded <= INT32_MAX, "the padded pack (%" PRId64 " tokens) must fit in int32", padded);
+    NCP_ARG_CHECK(padded <= INT32_MAX, "cu_seqlens: the padded pack (%" PRId64 " tokens) must fit in int32", padded);
     *chunk_size = (int32_t)chunk;
     *total_padded = padded;
     return NCP_OK;

@@ -61,7 +61,7 @@ struct ws_layout {
 ws_layout layout_of(int32_t Tq, int32_t Hq, int32_t D, bool has_sink, bool atomic_dq) {
     auto up = [](int64_t x) { return (x + 255) / 256 * 256; };
     ws_layout w;
-    w.n_part = Tq <= 0 ? 1 : (Tq + kPreRows - 1) / kPreRows;
+    w.n_part = Tq <= 0 ? 1 : (int32_t)(((int64_t)Tq + kPreRows - 1) / kPreRows);
     w.delta = 0;
     w.part = up((int64_t)Hq * Tq * 4);
     w.acc = w.part + (has_sink ? up((int64_t)Hq * w.n_part * 4) : 0);
