@@ -232,37 +232,53 @@ def render_mimo(paths: list[str]) -> str:
     return "\n".join(out)
 
 
-def render_flint(paths: list[str]) -> str:
-    out = ["| machine | tokens | cp | documents | native C plan µs | Python MinHeap solver µs | speedup |",
-           "|---|---:|---:|---|---:|---:|---:|"]  # fmt: skip
-    runs = [(p, _read(p)) for p in paths]
+def _flint_plan_rows(runs) -> list[str]:
+    out = []
     for path, data in runs:
         for r in data["plan"]:
-            docs = "one document" if r["docs"] == "one" else (
-                f"{r['n_docs']} x {int(r['docs'][6:]) // 1024}k" if r["docs"].startswith("equal:") else
-                f"{r['n_docs']} random (mean 4k)")  # fmt: skip
-            out.append(f"| {machine(data['env'], False)} | {r['T']} | {r['cp']} | {docs} | {r['c_plan_us']} | "
-                       f"{r['py_solver_us']} | {r['speedup']}x |")  # fmt: skip
+            if "plan_us" in r:  # bench_flint.py since the linear plan: one rank, windows 0 and 513
+                out.append(f"| {machine(data['env'], False)} | {r['case']} | {r['cp']} | {r['plan_us']} | "
+                           f"{r['py_partition_only_us']} | {r['peak_MB_beyond_import']} |")  # fmt: skip
+            else:  # older runs
+                out.append(f"| {machine(data['env'], False)} | {r['T']} {r['docs']} | {r['cp']} | {r['c_plan_us']} | "
+                           f"{r['py_solver_us']} | |")  # fmt: skip
+    return out
+
+
+def _flint_cp_rows(data) -> list[str]:
+    out = ["", "CP attention on one GPU (Flint 32/4/128, every rank simulated): the whole sequence in contiguous "
+           "mode against every rank's table-mask kernels, the rank step beyond the kernels, and all ranks with the "
+           "exchange routed in-process. TFLOP/s forward / forward+backward:", "",
+           "| tokens | cp | doc | window | whole seq | rank kernels (mean) | rank/whole | step / kernels (max) | "
+           "all-ranks efficiency |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for r in data["cp"]:
+        out.append(f"| {r['T']} | {r['cp']} | {r['doc']} | {r['window'] or 'causal'} | "
+                   f"{r['whole_fwd_tflops']} / {r['whole_fwdbwd_tflops']} | "
+                   f"{r['rank_fwd_tflops_mean']} / {r['rank_fwdbwd_tflops_mean']} | "
+                   f"{r['rank_over_whole_fwd']} / {r['rank_over_whole_fwdbwd']} | "
+                   f"{r['step_over_kernels_fwd_max']} / {r['step_over_kernels_fwdbwd_max']} | "
+                   f"{r['all_ranks_efficiency_fwd']} / {r['all_ranks_efficiency_fwdbwd']} |")  # fmt: skip
+    return out
+
+
+def render_flint(paths: list[str]) -> str:
+    out = ["Plan build of one rank (windows 0 and 513; peak memory of the C build and its arrays):", "",
+           "| machine | pack | cp | plan µs | Python partition alone µs | peak MB |",
+           "|---|---|---:|---:|---:|---:|"]  # fmt: skip
+    runs = [(p, _read(p)) for p in paths]
+    out += _flint_plan_rows(runs)
     out += ["", "K/V each rank receives per layer (bf16 K and V, Hkv = 4, D = 128), against an all-gather:", "",
-            "| tokens | cp | documents | window | max rank MB | mean rank MB | all-gather MB | fraction |",
-            "|---:|---:|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+            "| tokens | cp | documents | window | max rank MB | fraction of an all-gather |", "|---:|---:|---|---:|---:|---:|"]
     for r in runs[-1][1]["volume"]:
         out.append(f"| {r['T']} | {r['cp']} | {r['docs']} | {r['window'] or 'causal'} | {r['max_recv_MB']} | "
-                   f"{r['mean_recv_MB']} | {r['allgather_MB']} | {r['fraction_of_allgather']} |")  # fmt: skip
-    sim = [(p, d) for p, d in runs if d.get("simulated")]
-    if sim:
-        out += ["", "Simulated ranks on one GPU (each rank's kernels on its local queries against local and received "
-                "keys), TFLOP/s with that rank's exact visible pairs:", "",
-                "| tokens | cp | doc | window | per-rank fwd min/mean | per-rank fwd+bwd min/mean | "
-                "whole sequence fwd | load balance (max/mean pairs) |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
-        for r in sim[-1][1]["simulated"]:
-            out.append(f"| {r['T']} | {r['cp']} | {r['doc']} | {r['window'] or 'causal'} | "
-                       f"{r['rank_fwd_tflops_min/mean']} | {r['rank_fwdbwd_tflops_min/mean']} | "
-                       f"{r['whole_seq_fwd_tflops']} | {r['cp_load_balance']} |")  # fmt: skip
+                   f"{r['fraction_of_allgather']} |")  # fmt: skip
+    gpu = [(p, d) for p, d in runs if d.get("cp")]
+    if gpu:
+        out += _flint_cp_rows(gpu[-1][1])
     out.append("")
-    out += [source_line(p, d["env"], bool(d.get("simulated"))) for p, d in runs]
-    if not sim:
-        out.append("Simulated ranks need a GPU; no GPU run of this benchmark is recorded yet (`gpu_run.sh flint`, "
+    out += [source_line(p, d["env"], bool(d.get("cp"))) for p, d in runs]
+    if not gpu:
+        out.append("CP attention needs a GPU; no GPU run of this benchmark is recorded yet (`gpu_run.sh flint`, "
                    "then `--import`).")  # fmt: skip
     return "\n".join(out)
 
