@@ -188,7 +188,6 @@ def test_flint_malformed_min_chunks_env_names_the_variable(value, monkeypatch):
         flint._build_magi_plan(i32([0, 128]), _config(), None)
 
 
-@pytest.mark.xfail(strict=False, reason="LEAD (CP-speed issue): a pack past int32 schedule sizes is not refused before allocating")
 def test_flint_plan_past_int32_schedule_is_refused_before_allocating():
     """2**31 - 2 tokens, chunk 3, cp 3: the padded pack fits int32, the schedule does not. Run with
     3 GiB of address space, so a plan that tries to allocate fails fast instead of eating the machine."""
@@ -197,7 +196,7 @@ def test_flint_plan_past_int32_schedule_is_refused_before_allocating():
         resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
         from types import SimpleNamespace
         import torch
-        from nemo_cp_native import flint
+        from nemo_cp_native import flint, testing
         cfg = SimpleNamespace(num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=1, magi_chunk_size=3)
         try:
             flint._build_magi_plan(torch.tensor([0, 2**31 - 2], dtype=torch.int32), cfg, testing.SimulatedGroup(3, 0))
