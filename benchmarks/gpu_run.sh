@@ -72,6 +72,11 @@ if want sanitize; then
     timeout ${SAN_TIMEOUT:-300} compute-sanitizer --tool $tool --kernel-regex kns=ncp --error-exitcode 99 $PY benchmarks/sanitize_kernels.py ${SAN_PARTS:-} \
       >> "$OUT/sanitizer.log" 2>&1
     note "compute-sanitizer $tool: exit $? ($(grep -c 'ERROR SUMMARY: 0 errors' "$OUT/sanitizer.log") clean summaries so far)"
+    if [ "$tool" = memcheck ]; then  # the THD/MiMo/attention kernels on malformed inputs (issue 17)
+      timeout ${SAN_TIMEOUT:-300} compute-sanitizer --tool memcheck --kernel-regex kns=ncp --error-exitcode 99 \
+        $PY tests/gpu_malformed_inputs.py >> "$OUT/sanitizer.log" 2>&1
+      note "compute-sanitizer memcheck, tests/gpu_malformed_inputs.py: exit $?"
+    fi
   done
 fi
 
