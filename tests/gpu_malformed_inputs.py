@@ -25,8 +25,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import nemo_cp_native as ncp  # noqa: E402
-from nemo_cp_native import flint  # noqa: E402
-from nemo_cp_native._mesh_fake import fake_mesh  # noqa: E402
+from nemo_cp_native import flint, testing  # noqa: E402
+from nemo_cp_native.testing import fake_mesh  # noqa: E402
 from nemo_cp_native.testing import make_mimo_batch  # noqa: E402
 
 I32_MAX = 2**31 - 1
