@@ -156,8 +156,11 @@ __global__ void __launch_bounds__(256) dq_convert_kernel(const float *__restrict
     *reinterpret_cast<uint4 *>(dq + (int64_t)t * st + (int64_t)h * sh + c) = v;
 }
 
-/* Sets a kernel's dynamic shared memory once per device. */
-template <typename K> ncp_status smem_attr(K kernel, int bytes, int device) {
+template <typename T, int D, bool ADQ, class Mask> struct ic_dkdv {};
+template <typename T, int D, class Mask> struct ic_dq {};
+
+/* Sets a kernel's dynamic shared memory once per device (Tag: one flag set per kernel). */
+template <typename Tag, typename K> ncp_status smem_attr(K kernel, int bytes, int device) {
     static bool set[kMaxDevices];
     if (device < kMaxDevices && set[device]) return NCP_OK;
     NCP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
@@ -176,7 +179,7 @@ ncp_status launch_dkdv(const ncp_sink_attn_bwd_params &b, const bwd_workspace &w
     NCP_TRY(ncp_sm90_tensor_map(&tdo, b.dout, p.Tq, p.Hq, D, b.do_st, b.do_sh, KQB));
     constexpr int bytes = Layout<D, KVB, KQB, ADQ>::bytes;
     auto kernel = bwd_dkdv_sm90_kernel<T, D, ADQ, Mask>;
-    NCP_TRY(smem_attr(kernel, bytes, cfg.device));
+    NCP_TRY((smem_attr<ic_dkdv<T, D, ADQ, Mask>>(kernel, bytes, cfg.device)));
     kernel<<<dim3(p.Hkv, (p.Tk + KVB - 1) / KVB), kThreads, bytes, stream>>>(tk, tv, tq, tdo, b, ws);
     NCP_CUDA_CHECK(cudaGetLastError());
     return NCP_OK;
@@ -193,7 +196,7 @@ ncp_status launch_dq(const ncp_sink_attn_bwd_params &b, const bwd_workspace &ws,
     NCP_TRY(ncp_sm90_tensor_map(&tv, p.v, p.Tk, p.Hkv, D, p.v_st, p.v_sh, QKB));
     constexpr int bytes = Layout<D, QQB, QKB>::bytes;
     auto kernel = bwd_dq_sm90_kernel<T, D, Mask>;
-    NCP_TRY(smem_attr(kernel, bytes, cfg.device));
+    NCP_TRY((smem_attr<ic_dq<T, D, Mask>>(kernel, bytes, cfg.device)));
     kernel<<<dim3(p.Hq, (p.Tq + QQB - 1) / QQB), kThreads, bytes, stream>>>(tq, tdo, tk, tv, b, ws);
     NCP_CUDA_CHECK(cudaGetLastError());
     return NCP_OK;
