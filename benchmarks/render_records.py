@@ -238,7 +238,7 @@ def _flint_plan_rows(runs) -> list[str]:
         for r in data["plan"]:
             if "plan_us" in r:  # bench_flint.py since the linear plan: one rank, windows 0 and 513
                 out.append(f"| {machine(data['env'], False)} | {r['case']} | {r['cp']} | {r['plan_us']} | "
-                           f"{r['py_partition_only_us']} | {r['peak_MB_beyond_import']} |")  # fmt: skip
+                           f"{r['py_partition_only_us']} | {r['peak_MB_beyond_import'] or '–'} |")  # fmt: skip
             else:  # older runs
                 out.append(f"| {machine(data['env'], False)} | {r['T']} {r['docs']} | {r['cp']} | {r['c_plan_us']} | "
                            f"{r['py_solver_us']} | |")  # fmt: skip
@@ -356,7 +356,30 @@ def tried_sources() -> list[str]:
     return sorted({p for *_, runs in TRIED for p, _, _ in runs})
 
 
-RENDER = {"attn": render_attn, "attn-extra": render_attn_extra, "mimo": render_mimo, "flint": render_flint,
+def render_ab(paths: list[str]) -> str:
+    """benchmarks/ab_attention.py: two builds timed round robin in one process."""
+    data = _read(paths[-1])
+    out = [f"A = `{data['a']}`, B = `{data['b']}`; {data['method']}. TFLOP/s forward / forward+backward:", "",
+           "| case | A | B | B / A |", "|---|---:|---:|---:|"]  # fmt: skip
+    for r in data["rows"]:
+        out.append(f"| {r['case']} | {r['a']['fwd_tflops']} / {r['a']['fwdbwd_tflops']} | "
+                   f"{r['b']['fwd_tflops']} / {r['b']['fwdbwd_tflops']} | {r['b_over_a_fwd']} / {r['b_over_a_fwdbwd']} |")
+    out += ["", f"Source: `{paths[-1]}`."]
+    return "\n".join(out)
+
+
+def render_host(paths: list[str]) -> str:
+    """benchmarks/bench_host.py: host time per call with the GPU kept busy."""
+    data = _read(paths[-1])
+    out = [f"{data['method']}:", "", "| op | forward host µs | backward host µs | syncs fwd / bwd |", "|---|---:|---:|---:|"]
+    for r in data["rows"]:
+        out.append(f"| {r['op']} | {r['fwd_host_us']} | {r['bwd_host_us'] if r['bwd_host_us'] is not None else '–'} | "
+                   f"{r['fwd_syncs']} / {r['bwd_syncs'] if r['bwd_syncs'] is not None else '–'} |")
+    out += ["", source_line(paths[-1], data["env"], True)]
+    return "\n".join(out)
+
+
+RENDER = {"attn": render_attn, "attn-extra": render_attn_extra, "mimo": render_mimo, "flint": render_flint, "ab": render_ab, "host": render_host,
           "tried": render_tried}  # fmt: skip
 
 
