@@ -87,7 +87,7 @@ def _media_mask(input_ids: torch.Tensor, token_id: int | None, num_chunks: int) 
     """Global placeholder mask in THD stream order, or None when ``token_id`` is None."""
     if token_id is None:
         return None
-    return _flatten_chunks(input_ids.eq(int(token_id)), num_chunks)
+    return _flatten_chunks(input_ids == int(token_id), num_chunks)  # `==`: the reference's error on None
 
 
 def _resolve_rank(cp_mesh) -> tuple[int, int]:
