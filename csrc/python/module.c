@@ -35,8 +35,8 @@ static PyObject *py_thd_partition(PyObject *m, PyObject *const *args, Py_ssize_t
     memset(&p, 0, sizeof p);
     void *stream;
     if (ncp_view_from_capsule(args[0], "cu_seqlens", 0, &cu) < 0 || ncp_view_from_capsule(args[1], "out", 0, &out) < 0 ||
-        ncp_pym_i64(args[2], "total_tokens", &p.total_tokens) < 0 || ncp_pym_i32(args[3], "cp_size", &p.cp_size) < 0 ||
-        ncp_pym_i32(args[4], "cp_rank", &p.cp_rank) < 0 || ncp_py_stream(args[5], &stream) < 0)
+        ncp_py_int64(args[2], "total_tokens", &p.total_tokens) < 0 || ncp_py_int32(args[3], "cp_size", &p.cp_size) < 0 ||
+        ncp_py_int32(args[4], "cp_rank", &p.cp_rank) < 0 || ncp_py_stream(args[5], &stream) < 0)
         return NULL;
     if (ncp_py_expect(&cu, "cu_seqlens", NCP_DT(NCP_DT_I32), 1, 2) < 0 || ncp_py_expect(&out, "out", NCP_DT(NCP_DT_I32), 1, 2) < 0) return NULL;
     ncp_view *views[] = {&cu, &out};
@@ -73,8 +73,8 @@ static PyObject *py_thd_partition_validate(PyObject *m, PyObject *const *args, P
     ncp_view cu;
     int32_t cp;
     int64_t total = 0;
-    if (ncp_view_from_capsule(args[0], "cu_seqlens", 0, &cu) < 0 || ncp_pym_i32(args[1], "cp_size", &cp) < 0) return NULL;
-    if (nargs == 3 && ncp_pym_i64(args[2], "total_tokens", &total) < 0) return NULL;
+    if (ncp_view_from_capsule(args[0], "cu_seqlens", 0, &cu) < 0 || ncp_py_int32(args[1], "cp_size", &cp) < 0) return NULL;
+    if (nargs == 3 && ncp_py_int64(args[2], "total_tokens", &total) < 0) return NULL;
     if (ncp_py_expect(&cu, "cu_seqlens", NCP_DT(NCP_DT_I32), 1, 2) < 0) return NULL;
     if (cu.device != NCP_DEV_CPU) {
         PyErr_SetString(PyExc_ValueError, "cu_seqlens must be a host tensor here (thd_partition_validate reads it on the host)");
@@ -103,10 +103,10 @@ static PyObject *py_mimo_plan(PyObject *m, PyObject *const *args, Py_ssize_t nar
     if (ncp_py_nargs("mimo_plan", nargs, 7) < 0) return NULL;
     int64_t B, S, nr, np_, outputs;
     int32_t C, W;
-    if (ncp_pym_i64(args[0], "B", &B) < 0 || ncp_pym_i64(args[1], "S", &S) < 0 ||
-        ncp_pym_i64(args[2], "n_real", &nr) < 0 || ncp_pym_i64(args[3], "n_pad", &np_) < 0 ||
-        ncp_pym_i32(args[4], "num_chunks", &C) < 0 || ncp_pym_i32(args[5], "cp_size", &W) < 0 ||
-        ncp_pym_i64(args[6], "outputs", &outputs) < 0)
+    if (ncp_py_int64(args[0], "B", &B) < 0 || ncp_py_int64(args[1], "S", &S) < 0 ||
+        ncp_py_int64(args[2], "n_real", &nr) < 0 || ncp_py_int64(args[3], "n_pad", &np_) < 0 ||
+        ncp_py_int32(args[4], "num_chunks", &C) < 0 || ncp_py_int32(args[5], "cp_size", &W) < 0 ||
+        ncp_py_int64(args[6], "outputs", &outputs) < 0)
         return NULL;
     if (outputs < 0 || outputs > 31) {
         PyErr_Format(PyExc_ValueError, "outputs=%lld is not a set of NCP_MIMO_* bits", (long long)outputs);

@@ -30,8 +30,8 @@ int ncp_py_nargs(const char *fn, Py_ssize_t nargs, Py_ssize_t want) {
     return -1;
 }
 
-int ncp_py_i64(PyObject *o, const char *name, int64_t *out) {
-    if (!PyLong_Check(o) || PyBool_Check(o)) {
+static int parse_i64(PyObject *o, const char *name, int bool_ok, int64_t *out) {
+    if (!PyLong_Check(o) || (!bool_ok && PyBool_Check(o))) {
         PyErr_Format(PyExc_TypeError, "%s must be an int, got %.80s", name, Py_TYPE(o)->tp_name);
         return -1;
     }
@@ -46,9 +46,9 @@ int ncp_py_i64(PyObject *o, const char *name, int64_t *out) {
     return 0;
 }
 
-int ncp_py_i32(PyObject *o, const char *name, int32_t *out) {
+static int parse_i32(PyObject *o, const char *name, int bool_ok, int32_t *out) {
     int64_t v;
-    if (ncp_py_i64(o, name, &v) < 0) return -1;
+    if (parse_i64(o, name, bool_ok, &v) < 0) return -1;
     if (v < INT32_MIN || v > INT32_MAX) {
         PyErr_Format(PyExc_ValueError, "%s=%lld does not fit in int32", name, (long long)v);
         return -1;
@@ -56,6 +56,11 @@ int ncp_py_i32(PyObject *o, const char *name, int32_t *out) {
     *out = (int32_t)v;
     return 0;
 }
+
+int ncp_py_i64(PyObject *o, const char *name, int64_t *out) { return parse_i64(o, name, 0, out); }
+int ncp_py_i32(PyObject *o, const char *name, int32_t *out) { return parse_i32(o, name, 0, out); }
+int ncp_py_int64(PyObject *o, const char *name, int64_t *out) { return parse_i64(o, name, 1, out); }
+int ncp_py_int32(PyObject *o, const char *name, int32_t *out) { return parse_i32(o, name, 1, out); }
 
 int ncp_py_f64(PyObject *o, const char *name, double *out) {
     if (PyBool_Check(o) || !(PyFloat_Check(o) || PyLong_Check(o))) {

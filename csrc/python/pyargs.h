@@ -19,6 +19,10 @@ PyObject *ncp_py_raise(ncp_status st);
 int ncp_py_nargs(const char *fn, Py_ssize_t nargs, Py_ssize_t want);
 int ncp_py_i64(PyObject *o, const char *name, int64_t *out);
 int ncp_py_i32(PyObject *o, const char *name, int32_t *out);
+/* As ncp_py_i64 / ncp_py_i32, but a bool counts as an int, as in Python: the THD and MiMo names
+ * accept what the reference accepts there. */
+int ncp_py_int64(PyObject *o, const char *name, int64_t *out);
+int ncp_py_int32(PyObject *o, const char *name, int32_t *out);
 int ncp_py_f64(PyObject *o, const char *name, double *out);
 int ncp_py_stream(PyObject *o, void **out);
 

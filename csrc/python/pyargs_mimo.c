@@ -7,33 +7,6 @@
 
 #include "pyargs.h"
 
-int ncp_pym_i64(PyObject *o, const char *name, int64_t *out) {
-    if (!PyLong_Check(o)) {
-        PyErr_Format(PyExc_TypeError, "%s must be an int, got %.80s", name, Py_TYPE(o)->tp_name);
-        return -1;
-    }
-    int overflow = 0;
-    long long v = PyLong_AsLongLongAndOverflow(o, &overflow);
-    if (overflow != 0) {
-        PyErr_Format(PyExc_ValueError, "%s=%R does not fit in int64", name, o);
-        return -1;
-    }
-    if (v == -1 && PyErr_Occurred()) return -1;
-    *out = (int64_t)v;
-    return 0;
-}
-
-int ncp_pym_i32(PyObject *o, const char *name, int32_t *out) {
-    int64_t v;
-    if (ncp_pym_i64(o, name, &v) < 0) return -1;
-    if (v < INT32_MIN || v > INT32_MAX) {
-        PyErr_Format(PyExc_ValueError, "%s=%lld does not fit in int32", name, (long long)v);
-        return -1;
-    }
-    *out = (int32_t)v;
-    return 0;
-}
-
 int ncp_pym_fallback(const char *reason) {
     PyErr_SetString(ncp_py_fallback_exc ? ncp_py_fallback_exc : PyExc_RuntimeError, reason);
     return -1;
@@ -60,11 +33,11 @@ int ncp_pym_mimo_scalars(PyObject *const *args, ncp_pym_mimo_args *a) {
     /* args[7..13]: num_chunks, cp_size, cp_rank, image_token_id, video_token_id, sentinel, outputs */
     int64_t outputs;
     memset(a, 0, sizeof *a);
-    if (ncp_pym_i64(args[7], "num_chunks", &a->num_chunks) < 0 || ncp_pym_i64(args[8], "cp_size", &a->cp_size) < 0 ||
-        ncp_pym_i32(args[9], "cp_rank", &a->cp_rank) < 0 ||
+    if (ncp_py_int64(args[7], "num_chunks", &a->num_chunks) < 0 || ncp_py_int64(args[8], "cp_size", &a->cp_size) < 0 ||
+        ncp_py_int32(args[9], "cp_rank", &a->cp_rank) < 0 ||
         token_id(args[10], "image_token_id", &a->image_token_id, &a->has_image) < 0 ||
         token_id(args[11], "video_token_id", &a->video_token_id, &a->has_video) < 0 ||
-        ncp_pym_i64(args[12], "sentinel", &a->sentinel) < 0 || ncp_pym_i64(args[13], "outputs", &outputs) < 0)
+        ncp_py_int64(args[12], "sentinel", &a->sentinel) < 0 || ncp_py_int64(args[13], "outputs", &outputs) < 0)
         return -1;
     if (outputs < 0 || outputs > 31) {
         PyErr_Format(PyExc_ValueError, "outputs=%lld is not a set of NCP_MIMO_* bits", (long long)outputs);

@@ -16,11 +16,6 @@
 #include "dlpack_view.h"
 #include "ncp/ncp.h"
 
-/* An int argument as int64 / int32: TypeError for a non-int, ValueError for a value out of range,
- * both naming the argument. Returns 0, or -1 with the exception set. */
-int ncp_pym_i64(PyObject *o, const char *name, int64_t *out);
-int ncp_pym_i32(PyObject *o, const char *name, int32_t *out);
-
 /* Raises _C.Fallback(reason); returns -1. */
 int ncp_pym_fallback(const char *reason);
 
