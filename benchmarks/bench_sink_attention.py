@@ -40,17 +40,7 @@ from common import doc_lengths, env_record, make_attention_case, print_table, wr
 import nemo_cp_native as ncp  # noqa: E402
 from nemo_cp_native import baselines as bl  # noqa: E402
 
-# name: (total tokens, doc length, Hq, Hkv, D, window)
-CASES = {
-    "flint-2k-w513": (65536, 2048, 32, 4, 128, 513),
-    "flint-8k-w513": (65536, 8192, 32, 4, 128, 513),
-    "flint-32k-w513": (131072, 32768, 32, 4, 128, 513),
-    "flint-2k-causal": (65536, 2048, 32, 4, 128, 0),
-    "flint-8k-causal": (65536, 8192, 32, 4, 128, 0),
-    "flint-32k-causal": (131072, 32768, 32, 4, 128, 0),
-    "gptoss-8k-w128": (65536, 8192, 64, 8, 64, 128),
-    "hq32kv8-8k-w128": (65536, 8192, 32, 8, 128, 128),
-}
+from cases import ATTENTION_CASES as CASES  # noqa: E402
 QUICK = {"quick-causal": (8192, 2048, 8, 2, 128, 0), "quick-w128": (8192, 2048, 8, 2, 64, 128)}
 DEVICE = "cuda"  # the smoke test of this script runs it on the CPU with stand-ins for the GPU timers
 METHODS = {"both": ("do_bench", "queued"), "do_bench": ("do_bench",), "queued": ("queued",)}
