@@ -12,21 +12,17 @@ import nemo_cp_native as ncp
 from nemo_cp_native import flint
 from nemo_cp_native.patch import is_patched
 
-FLINT = "nemo_automodel.components.models.flint.magi"
+from _fake_flint import FLINT, NAMES, install_fake_flint  # noqa: E402
+
 FLINT_MODEL = "nemo_automodel.components.models.flint.model"
-NAMES = ("FlintMagiPlan", "FlintMagiBatchPlans", "_build_magi_plan", "_prepare_magi_inputs")
 
 
 @pytest.fixture
 def fake_flint(monkeypatch):
     """A fake upstream flint.magi module plus a model module that imported one name directly."""
-    originals = {n: type(n, (), {}) if n[0].isupper() else (lambda *a, n=n: n) for n in NAMES}
-    magi = types.ModuleType(FLINT)
-    for n, obj in originals.items():
-        setattr(magi, n, obj)
+    magi, originals = install_fake_flint(monkeypatch)
     model = types.ModuleType(FLINT_MODEL)
     model._prepare_magi_inputs = originals["_prepare_magi_inputs"]
-    monkeypatch.setitem(sys.modules, FLINT, magi)
     monkeypatch.setitem(sys.modules, FLINT_MODEL, model)
     yield magi, model, originals
     ncp.unpatch()

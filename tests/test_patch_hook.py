@@ -28,6 +28,8 @@ import nemo_cp_native as ncp
 import nemo_cp_native_hook as hook
 from nemo_cp_native import flint
 
+from _fake_flint import FLINT, NAMES, install_fake_flint  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MIMO_CP = "nemo_automodel.components.models.mimo_v2_flash.cp"
 MIMO_MODEL = "nemo_automodel.components.models.mimo_v2_flash.model"
@@ -177,19 +179,12 @@ def test_torchrun_two_ranks_take_the_native_path(tmp_path):
 # 5. unpatch and modules that imported a native name while patched
 # =============================================================================================
 
-FLINT = "nemo_automodel.components.models.flint.magi"
 FLINT_LATE = "nemo_automodel.components.models.flint.late_importer"
-NAMES = ("FlintMagiPlan", "FlintMagiBatchPlans", "_build_magi_plan", "_prepare_magi_inputs")
 
 
 @pytest.fixture
 def fake_flint(monkeypatch):
-    originals = {n: type(n, (), {}) if n[0].isupper() else (lambda *a, n=n: n) for n in NAMES}
-    magi = types.ModuleType(FLINT)
-    for n, obj in originals.items():
-        setattr(magi, n, obj)
-    monkeypatch.setitem(sys.modules, FLINT, magi)
-    yield magi, originals
+    yield install_fake_flint(monkeypatch)
     ncp.unpatch()
 
 
