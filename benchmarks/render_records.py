@@ -18,7 +18,7 @@ bench_mimo_shard.py), ``flint`` (one or more runs of bench_flint.py).
     # check that the page matches its sources (tests/test_records.py runs this)
     python benchmarks/render_records.py --check
 
-``--import DIR`` takes ``bench_attn.json``, ``bench_mimo.json`` and ``bench_flint.json`` from DIR,
+``--import DIR`` takes ``bench_attn.json``, ``bench_mimo.json``, ``bench_flint.json`` and ``bench_host.json`` from DIR,
 stores them as ``benchmarks/results/<date>_<commit>_<kind>.json``, points the ``attn`` and
 ``attn-extra`` blocks at the new attention file, and replaces the ``mimo``/``flint`` source of the
 same machine kind (GPU or CPU). ``--prune`` deletes the files under benchmarks/results/ that the
@@ -414,10 +414,11 @@ def _is_gpu_run(kind: str, path: str) -> bool:
 
 
 def import_run(directory: str, page: str) -> dict:
-    """Copies DIR/bench_{attn,mimo,flint}.json into benchmarks/results/; the new sources per kind."""
+    """Copies DIR/bench_{attn,mimo,flint,host}.json into benchmarks/results/; the new sources per kind."""
     current = dict(blocks(page))
     new = {}
-    for kind, name in (("attn", "bench_attn.json"), ("mimo", "bench_mimo.json"), ("flint", "bench_flint.json")):
+    for kind, name in (("attn", "bench_attn.json"), ("mimo", "bench_mimo.json"), ("flint", "bench_flint.json"),
+                       ("host", "bench_host.json")):
         src = os.path.join(directory, name)
         if not os.path.exists(src):
             continue
@@ -428,6 +429,8 @@ def import_run(directory: str, page: str) -> dict:
         print(f"render_records: {src} -> {dest}")
         if kind == "attn":
             new["attn"] = new["attn-extra"] = [dest]
+        elif kind == "host":  # one machine: the GPU's host
+            new["host"] = [dest]
         else:  # replace the source of the same machine kind, keep the other
             gpu = _is_gpu_run(kind, dest)
             new[kind] = [p for p in current.get(kind, []) if _is_gpu_run(kind, p) != gpu] + [dest]
