@@ -107,3 +107,6 @@ def kv_grad_sum(
     *, dkbuf: Capsule, dvbuf: Capsule, local_slot: Capsule, back: Capsule, ret_off: Capsule, ret_idx: Capsule,
     dk: Capsule, dv: Capsule, stream: Optional[int] = None
 ) -> None: ...
+def runs_expand(
+    *, runs: Capsule, out: Capsule, runs_dev: Optional[Capsule] = None, stream: Optional[int] = None
+) -> None: ...

@@ -45,11 +45,30 @@ __all__ = [
 ]
 
 DEFAULT_CHUNK_SIZE = 512
+# The tables of a window, in the order of their runs' buffer (csrc/include/ncp/ncp.h, NCP_PT_*).
+_TABLES = ("send_idx", "recv_pos", "kv_pos", "kv_src", "local_slot", "recv_slot", "q_lo", "row_lo", "row_hi",
+           "ret_off", "ret_idx")  # fmt: skip
 _MASK_FIELDS = ("q_lo", "row_lo", "row_hi", "ret_off", "ret_idx")
+_DEVICE_TABLES = ("send_idx", "kv_src", "local_slot", "recv_slot", "ret_off", "ret_idx")
 
 
-def _i32(buf) -> Tensor:
-    return torch.frombuffer(buf, dtype=torch.int32) if len(buf) else torch.empty(0, dtype=torch.int32)
+def _runs(buf) -> Tensor:
+    """A plan's run list (a bytearray of int32 (out, len, stride, val, step)) as a (runs, 5) tensor."""
+    return torch.frombuffer(buf, dtype=torch.int32).view(-1, 5) if len(buf) else torch.empty((0, 5), dtype=torch.int32)
+
+
+def _expand(runs: Tensor, n: int, device: torch.device, keep: list) -> Tensor:
+    """The int32 tables the runs describe, written on ``device`` (one copy of the runs and one kernel
+    on CUDA, on the current stream; the pinned copy of the runs stays in ``keep``)."""
+    out = torch.empty(n, dtype=torch.int32, device=device)
+    if device.type != "cuda":
+        _C.runs_expand(runs=dl(runs), out=dl(out))
+        return out
+    pinned = runs.pin_memory()
+    keep.append(pinned)
+    _C.runs_expand(runs=dl(pinned), runs_dev=dl(pinned.to(device, non_blocking=True)), out=dl(out),
+                   stream=stream_of(device))  # fmt: skip
+    return out
 
 
 @dataclass(frozen=True, eq=False)
@@ -62,6 +81,10 @@ class MagiAttentionKey:
     ``send_idx`` (local rows sent, grouped by destination rank), ``send_counts``/``recv_counts``
     (all-to-all split sizes), ``kv_src`` (order of the sorted K/V buffer), ``local_slot`` /
     ``recv_slot`` (where local and received rows sit in it) and the attention mask.
+
+    The plan holds its tables as runs (a few per chunk; ``csrc/core/plan.c``): the tables are
+    written out where they are first used, on the host when read as attributes here, on the GPU
+    by one kernel in ``device_tables``.
     """
 
     window: int
@@ -74,17 +97,11 @@ class MagiAttentionKey:
     num_heads_kv: int
     head_dim: int
     visible_pairs: int
-    local_token_global_indices: Tensor
     send_counts: tuple
     recv_counts: tuple
-    send_idx: Tensor
-    recv_pos: Tensor
-    kv_src: Tensor
-    local_slot: Tensor
-    recv_slot: Tensor
-    kv_pos: Tensor
-    q_pos: Tensor
-    mask_host: dict
+    table_off: tuple = field(repr=False)
+    runs: Any = field(repr=False)
+    local_runs: Any = field(repr=False)
     group: Any = field(default=None, repr=False)
     _cache: dict = field(default_factory=dict, repr=False)
 
@@ -100,29 +117,62 @@ class MagiAttentionKey:
     def num_local_tokens(self) -> int:
         return self.total_seqlen_q // self.cp_size
 
-    def device_tables(self, device: torch.device) -> dict:
-        """Index tables and mask on ``device`` (copied once per device, then cached).
+    def _host(self) -> dict:
+        """Every table on the host (written out once, then cached)."""
+        if "host" not in self._cache:
+            buf = _expand(_runs(self.runs), self.table_off[-1], torch.device("cpu"), [])
+            host = {name: buf[self.table_off[i] : self.table_off[i + 1]] for i, name in enumerate(_TABLES)}
+            host["local"] = _expand(_runs(self.local_runs), self.num_local_tokens, torch.device("cpu"), [])
+            self._cache["host"] = host
+        return self._cache["host"]
 
-        Host tables are staged through pinned memory and copied without blocking; the pinned
-        copies stay referenced by the cache entry (a non-blocking copy from pageable memory that
-        is freed right after the call can read recycled memory).
-        """
+    @property
+    def local_token_global_indices(self) -> Tensor:
+        return self._host()["local"].long()
+
+    @property
+    def q_pos(self) -> Tensor:
+        return self._host()["local"]
+
+    @property
+    def send_idx(self) -> Tensor:
+        return self._host()["send_idx"]
+
+    @property
+    def recv_pos(self) -> Tensor:
+        return self._host()["recv_pos"]
+
+    @property
+    def kv_src(self) -> Tensor:
+        return self._host()["kv_src"]
+
+    @property
+    def local_slot(self) -> Tensor:
+        return self._host()["local_slot"]
+
+    @property
+    def recv_slot(self) -> Tensor:
+        return self._host()["recv_slot"]
+
+    @property
+    def kv_pos(self) -> Tensor:
+        return self._host()["kv_pos"]
+
+    @property
+    def mask_host(self) -> dict:
+        host = self._host()
+        return {name: host[name] for name in _MASK_FIELDS}
+
+    def device_tables(self, device: torch.device) -> dict:
+        """Index tables and mask on ``device``, written there once from the runs, then cached."""
         key = str(device)
         if key not in self._cache:
             keep = []
-
-            def to(t):
-                if device.type != "cuda":
-                    return t
-                host = t.contiguous().pin_memory()
-                keep.append(host)
-                return host.to(device, non_blocking=True)
-
-            mask = AttnMask(row_lo=to(self.mask_host["row_lo"]), row_hi=to(self.mask_host["row_hi"]))
+            buf = _expand(_runs(self.runs), self.table_off[-1], device, keep)
+            t = {name: buf[self.table_off[i] : self.table_off[i + 1]] for i, name in enumerate(_TABLES)}
             self._cache[key] = {
-                "mask": mask,
-                **{name: to(getattr(self, name)) for name in ("send_idx", "kv_src", "local_slot", "recv_slot")},
-                **{name: to(self.mask_host[name]) for name in ("ret_off", "ret_idx")},
+                "mask": AttnMask(row_lo=t["row_lo"], row_hi=t["row_hi"]),
+                **{name: t[name] for name in _DEVICE_TABLES},
                 "_pinned": keep,
             }
         return self._cache[key]
@@ -349,18 +399,13 @@ def _build_magi_plan(cu_seqlens: Tensor, config, group) -> FlintMagiPlan:
                              f"config.magi_chunk_size)")  # fmt: skip
     windows = (0, window) if window > 0 else (0,)
     raw = _C.plan_build(dl(cu_seqlens.contiguous()), cp, rank, chunk, min_chunks, windows)
-    local = _i32(raw["local_pos"])
     keys = {}
     for w in raw["windows"]:
-        mask_host = {name: _i32(w[name]) for name in _MASK_FIELDS}
         keys[w["window"]] = MagiAttentionKey(
             window=w["window"], total_seqlen=raw["total"], total_seqlen_q=raw["total_padded"],
             chunk_size=raw["chunk_size"], cp_size=cp, cp_rank=rank, num_heads_q=hq, num_heads_kv=hkv, head_dim=d,
-            visible_pairs=w["visible_pairs"], local_token_global_indices=local.long(),
-            send_counts=tuple(_i32(w["send_counts"]).tolist()), recv_counts=tuple(_i32(w["recv_counts"]).tolist()),
-            send_idx=_i32(w["send_idx"]), recv_pos=_i32(w["recv_pos"]), kv_src=_i32(w["kv_src"]),
-            local_slot=_i32(w["local_slot"]), recv_slot=_i32(w["recv_slot"]), kv_pos=_i32(w["kv_pos"]),
-            q_pos=local, mask_host=mask_host, group=group,
+            visible_pairs=w["visible_pairs"], send_counts=w["send_counts"], recv_counts=w["recv_counts"],
+            table_off=w["table_off"], runs=w["runs"], local_runs=raw["local_runs"], group=group,
         )  # fmt: skip
     return FlintMagiPlan(keys=keys)
 

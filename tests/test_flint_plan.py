@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import math
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -429,3 +430,51 @@ def test_exchange_ops_on_the_cpu(dtype):
     with pytest.raises(ValueError, match="ret_off must have"):
         _C.kv_grad_sum(dkbuf=dl(kb), dvbuf=dl(vb), local_slot=dl(slot), back=dl(back), ret_off=dl(off[:3]),
                        ret_idx=dl(ridx), dk=dl(dk), dv=dl(dv))  # fmt: skip
+
+
+# ============================================================================ 7. tables as runs
+
+
+def _expand_ref(runs: torch.Tensor, n: int) -> torch.Tensor:
+    """out[o + t * stride] = val + t * step, written plainly (the oracle of runs_expand)."""
+    out = torch.full((n,), -7, dtype=torch.int64)
+    for o, ln, stride, val, step in runs.tolist():
+        t = torch.arange(ln)
+        out[o + t * stride] = val + t * step
+    return out.to(torch.int32)
+
+
+def test_runs_expand_matches_the_plain_loop_and_checks_its_runs():
+    runs = torch.tensor([[0, 3, 1, 5, 1], [3, 2, 2, 9, 0], [4, 3, 2, -4, 3], [9, 0, 1, 0, 0]], dtype=torch.int32)
+    out = torch.full((10,), -7, dtype=torch.int32)
+    _C.runs_expand(runs=dl(runs), out=dl(out))
+    assert out.tolist() == _expand_ref(runs, 10).tolist() == [5, 6, 7, 9, -4, 9, -1, -7, 2, -7]
+    bad = {
+        "writes outside": [0, 11, 1, 0, 1],
+        "len=-1 < 0": [0, -1, 1, 0, 1],
+        "stride=0": [0, 2, 0, 0, 1],
+        "writes outside a table of 10": [-1, 1, 1, 0, 1],
+        "leaves int32": [0, 3, 1, 2**31 - 2, 1],
+    }
+    for match, run in bad.items():
+        with pytest.raises(ValueError, match=re.escape(match)):
+            _C.runs_expand(runs=dl(torch.tensor([run], dtype=torch.int32)), out=dl(out))
+    with pytest.raises(ValueError, match=r"runs must be a host int32 tensor of shape \(runs, 5\)"):
+        _C.runs_expand(runs=dl(runs[:, :4].contiguous()), out=dl(out))
+    with pytest.raises(ValueError, match="runs_dev is only for a CUDA out"):
+        _C.runs_expand(runs=dl(runs), out=dl(out), runs_dev=dl(runs))
+    with pytest.raises(TypeError, match="missing required keyword argument 'out'"):
+        _C.runs_expand(runs=dl(runs))
+
+
+@pytest.mark.parametrize("cu, cp, window", [([0, 131072], 8, 513), (list(range(0, 131073, 8192)), 8, 513),
+                                            ([0, 5, 700, 701, 4000, 9999], 4, 129)])  # fmt: skip
+def test_plan_holds_runs_per_chunk_not_entries_per_token(cu, cp, window):
+    """The plan is built as runs: their number grows with chunks x ranks and documents, not with
+    tokens, and they expand to exactly the tables the attributes hold."""
+    raw = _C.plan_build(dl(torch.tensor(cu, dtype=torch.int32)), cp, 0, 512, 8, (0, window))
+    for w in raw["windows"]:
+        runs = flint._runs(w["runs"])
+        assert runs.shape[0] <= 12 * raw["n_chunks"] * cp + 8 * len(cu), (runs.shape, raw["n_chunks"])
+        assert torch.equal(flint._expand(runs, w["table_off"][-1], torch.device("cpu"), []),
+                           _expand_ref(runs, w["table_off"][-1]))  # fmt: skip

@@ -457,3 +457,40 @@ def test_cuda_nan_in_nan_out(sink, kernel):
     out, lse = ncp.sink_attention(q, k, v, s, cu, return_lse=True)
     assert out[10, 1].isnan().all() and lse[1, 10].isnan()
     assert torch.isfinite(out[300:]).all() and torch.isfinite(lse[:, 300:]).all()
+
+
+@pytest.mark.parametrize("cu, cp", [([0, 131072], 8), (list(range(0, 131073, 8192)), 8), ([0, 5, 700, 701, 4000, 9999], 4)])
+def test_cuda_plan_tables_written_on_the_gpu_equal_the_host_tables(cu, cp):
+    """device_tables writes a plan's tables from its runs with one kernel; they equal the host
+    expansion (and so every property tests/test_flint_plan.py checks on the host)."""
+    from types import SimpleNamespace
+
+    cfg = SimpleNamespace(num_attention_heads=8, num_key_value_heads=2, head_dim=128, sliding_window=513)
+    for r in (0, cp - 1):
+        plan = flint._build_magi_plan(torch.tensor(cu, dtype=torch.int32), cfg, testing.SimulatedGroup(cp, r))
+        for k in plan.keys.values():
+            dev = k.device_tables(torch.device(DEV))
+            for name in ("send_idx", "kv_src", "local_slot", "recv_slot"):
+                assert torch.equal(dev[name].cpu(), getattr(k, name)), (cu[:3], r, k.window, name)
+            for name in ("ret_off", "ret_idx"):
+                assert torch.equal(dev[name].cpu(), k.mask_host[name]), (cu[:3], r, k.window, name)
+            assert torch.equal(dev["mask"].row_lo.cpu(), k.mask_host["row_lo"])
+            assert torch.equal(dev["mask"].row_hi.cpu(), k.mask_host["row_hi"])
+
+
+def test_cuda_runs_expand_checks_its_runs_and_never_writes_outside():
+    runs = torch.tensor([[0, 3, 1, 5, 1], [3, 2, 2, 9, 0]], dtype=torch.int32)
+    out = torch.full((6,), -7, dtype=torch.int32, device=DEV)
+    _C.runs_expand(runs=dl(runs), runs_dev=dl(runs.to(DEV)), out=dl(out), stream=torch.cuda.current_stream().cuda_stream)
+    assert out.tolist() == [5, 6, 7, 9, -7, 9]
+    with pytest.raises(ValueError, match="writes outside a table of 6"):
+        bad = torch.tensor([[4, 3, 1, 0, 1]], dtype=torch.int32)
+        _C.runs_expand(runs=dl(bad), runs_dev=dl(bad.to(DEV)), out=dl(out))
+    with pytest.raises(ValueError, match="runs_dev must be a copy of runs"):
+        _C.runs_expand(runs=dl(runs), out=dl(out))
+    # a device copy that disagrees with the checked host runs: the kernel drops the stray writes
+    guard = torch.full((16,), -7, dtype=torch.int32, device=DEV)
+    stray = torch.tensor([[0, 3, 1, 1, 1], [2, 1000, 1, 0, 0]], dtype=torch.int32)
+    _C.runs_expand(runs=dl(runs), runs_dev=dl(stray.to(DEV)), out=dl(guard[:6]))
+    torch.cuda.synchronize()
+    assert guard[6:].tolist() == [-7] * 10

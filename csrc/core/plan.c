@@ -8,8 +8,13 @@
  * no rank receives a token it cannot see. The K/V buffer of a rank is its local rows plus the
  * received ones, sorted by global position: the keys of a query are then one contiguous buffer
  * range [row_lo, row_hi], non-decreasing in the row, which is what the kernels read
- * (NCP_MASK_TABLE): a block of query rows then sees one contiguous key range, so the plan grows with
- * the pack, not with its square.
+ * (NCP_MASK_TABLE).
+ *
+ * Every table is piecewise arithmetic: chunks are runs of consecutive positions, and inside a
+ * piece of a chunk that lies in one document the bounds move by 0 or 1 per row. So the plan is
+ * built as runs (ncp_run, a few per chunk piece) in time that grows with chunks x ranks and with
+ * documents, not with tokens; ncp_runs_expand (here) or its CUDA twin (cuda/cp_exchange.cu) writes
+ * the tables out where they are used. Test: pytest tests/test_flint_plan.py
  */
 #include <inttypes.h>
 #include <stdlib.h>
@@ -18,49 +23,108 @@
 #include "ncp/ncp.h"
 #include "ncp/ncp_check.h"
 
+/* ---------------------------------------------------------------------------------------------
+ * runs
+ * ------------------------------------------------------------------------------------------- */
+
+ncp_status ncp_runs_check(const ncp_run *runs, int32_t n_runs, int64_t n_out) {
+    NCP_ARG_CHECK(n_runs >= 0 && (n_runs == 0 || runs != NULL), "runs: %" PRId32 " runs without data", n_runs);
+    NCP_ARG_CHECK(n_out >= 0, "out: %" PRId64 " entries", n_out);
+    for (int32_t i = 0; i < n_runs; ++i) {
+        const ncp_run r = runs[i];
+        NCP_ARG_CHECK(r.len >= 0, "runs[%" PRId32 "] has len=%" PRId32 " < 0", i, r.len);
+        if (r.len == 0) continue;
+        const int64_t last_out = (int64_t)r.out + (int64_t)(r.len - 1) * r.stride;
+        const int64_t last_val = (int64_t)r.val + (int64_t)(r.len - 1) * r.step;
+        NCP_ARG_CHECK(r.stride >= 1 && r.out >= 0 && last_out < n_out,
+                      "runs[%" PRId32 "] (out=%" PRId32 ", len=%" PRId32 ", stride=%" PRId32
+                      ") writes outside a table of %" PRId64 " entries",
+                      i, r.out, r.len, r.stride, n_out);
+        NCP_ARG_CHECK(last_val >= INT32_MIN && last_val <= INT32_MAX,
+                      "runs[%" PRId32 "] (val=%" PRId32 ", len=%" PRId32 ", step=%" PRId32 ") leaves int32", i, r.val,
+                      r.len, r.step);
+    }
+    return NCP_OK;
+}
+
+ncp_status ncp_runs_expand(const ncp_run *runs, int32_t n_runs, int32_t *out, int64_t n_out) {
+    NCP_ARG_CHECK(out != NULL || n_out == 0, "out must not be NULL");
+    NCP_TRY(ncp_runs_check(runs, n_runs, n_out));
+    for (int32_t i = 0; i < n_runs; ++i) {
+        const ncp_run r = runs[i];
+        int32_t *o = out + r.out;
+        if (r.stride == 1) {
+            for (int32_t t = 0; t < r.len; ++t) o[t] = r.val + t * r.step;
+        } else {
+            for (int32_t t = 0; t < r.len; ++t) o[(int64_t)t * r.stride] = r.val + t * r.step;
+        }
+    }
+    return NCP_OK;
+}
+
+typedef struct {
+    ncp_run *data;
+    int32_t n, cap;
+    int32_t floor; /* runs below this index are closed: nothing merges into them */
+    int failed;    /* out of memory */
+} runvec;
+
+/* Appends a run, or extends the last one when the new run continues it. */
+static void run_push(runvec *v, int64_t out, int64_t len, int32_t stride, int64_t val, int32_t step) {
+    if (len <= 0 || v->failed) return;
+    if (v->n > v->floor) {
+        ncp_run *l = &v->data[v->n - 1];
+        if (l->stride == stride && l->step == step && (int64_t)l->out + (int64_t)l->len * stride == out &&
+            (int64_t)l->val + (int64_t)l->len * step == val && (int64_t)l->len + len <= INT32_MAX) {
+            l->len += (int32_t)len;
+            return;
+        }
+    }
+    if (v->n == v->cap) {
+        const int32_t cap = v->cap ? v->cap * 2 : 64;
+        ncp_run *d = (ncp_run *)realloc(v->data, (size_t)cap * sizeof(ncp_run));
+        if (d == NULL) {
+            v->failed = 1;
+            return;
+        }
+        v->data = d;
+        v->cap = cap;
+    }
+    v->data[v->n++] = (ncp_run){(int32_t)out, (int32_t)len, stride, (int32_t)val, step};
+}
+
+static int cmp_i32(const void *a, const void *b) {
+    const int32_t u = *(const int32_t *)a, v = *(const int32_t *)b;
+    return (u > v) - (u < v);
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * one window
+ * ------------------------------------------------------------------------------------------- */
+
 typedef struct {
     int64_t a, b; /* [a, b) */
 } ival;
 
-typedef struct {
-    int32_t *data;
-    int64_t n, cap;
-} i32vec;
-
-static int vec_push(i32vec *v, int32_t x) {
-    if (v->n == v->cap) {
-        int64_t cap = v->cap ? v->cap * 2 : 256;
-        int32_t *d = (int32_t *)realloc(v->data, (size_t)cap * sizeof(int32_t));
-        if (d == NULL) return 0;
-        v->data = d;
-        v->cap = cap;
-    }
-    v->data[v->n++] = x;
-    return 1;
-}
-
-static ncp_i32_array vec_take(i32vec *v) {
-    ncp_i32_array a = {(int32_t)v->n, v->data};
-    v->data = NULL;
-    v->n = v->cap = 0;
-    return a;
-}
-
-static ncp_status alloc_array(ncp_i32_array *a, int64_t n) {
-    a->n = (int32_t)n;
-    a->data = (int32_t *)calloc((size_t)(n > 0 ? n : 1), sizeof(int32_t));
-    if (a->data == NULL) NCP_FAIL(NCP_ERR_NOMEM, "out of host memory building a Flint plan");
-    return NCP_OK;
-}
-
 /* Shared facts of one plan build. */
 typedef struct {
     const int32_t *cu;
-    int32_t n_cu, cp, rank, chunk, n_chunks;
+    int32_t n_cu, cp, rank, chunk, n_chunks, L;
     int64_t T, T_pad;
     const int32_t *owner;
-    int32_t *chunk_slot; /* chunk -> index among its owner's chunks */
+    const int32_t *chunk_slot; /* chunk -> index among its owner's chunks */
+    ival *iv;                  /* scratch: needed intervals */
+    int32_t *scratch;          /* (cp + 1,) */
 } plan_ctx;
+
+/* The runs of one window while they are built: one list per table, and the send runs again in
+ * local-row space grouped by destination (for the returned-rows tables). */
+typedef struct {
+    runvec t[NCP_PT_COUNT];
+    runvec send_rows;
+    int32_t *send_first; /* (cp + 1,) first send_rows run of each destination */
+    int64_t len[NCP_PT_COUNT];
+} window_runs;
 
 /* Needed key intervals of `receiver` for window w, merged and sorted (self-owned keys included). */
 static int64_t needed_intervals(const plan_ctx *x, int32_t receiver, int32_t w, ival *out) {
@@ -87,125 +151,259 @@ static int64_t needed_intervals(const plan_ctx *x, int32_t receiver, int32_t w, 
     return n;
 }
 
-/* Appends every position of the intervals that rank `src` owns (`src` != `receiver`): the position
- * itself (as_local = 0) or its row in the owner's local order (as_local = 1). */
-static int emit_owned(const plan_ctx *x, const ival *iv, int64_t n_iv, int32_t src, int32_t receiver, int as_local,
-                      i32vec *outv) {
-    if (src == receiver) return 1;
-    for (int64_t k = 0; k < n_iv; ++k)
-        for (int64_t p = iv[k].a; p < iv[k].b;) {
-            const int32_t c = (int32_t)(p / x->chunk);
-            const int64_t c_end = (int64_t)(c + 1) * x->chunk, end = iv[k].b < c_end ? iv[k].b : c_end;
-            if (x->owner[c] == src) {
-                const int64_t shift = as_local ? (int64_t)x->chunk_slot[c] * x->chunk - (int64_t)c * x->chunk : 0;
-                for (int64_t q = p; q < end; ++q)
-                    if (!vec_push(outv, (int32_t)(q + shift))) return 0;
-            }
-            p = end;
-        }
+/* The pieces of the intervals cut at chunk edges: [p, e) inside chunk c. */
+typedef struct {
+    const ival *iv;
+    int64_t n, k, p;
+    int32_t chunk;
+} piece_iter;
+
+static int next_piece(piece_iter *it, int64_t *p, int64_t *e, int32_t *c) {
+    while (it->k < it->n && it->p >= it->iv[it->k].b)
+        if (++it->k < it->n) it->p = it->iv[it->k].a;
+    if (it->k >= it->n) return 0;
+    *p = it->p;
+    *c = (int32_t)(*p / it->chunk);
+    const int64_t ce = (int64_t)(*c + 1) * it->chunk, b = it->iv[it->k].b;
+    *e = b < ce ? b : ce;
+    it->p = *e;
     return 1;
 }
 
-static int32_t doc_start(const plan_ctx *x, int64_t p, int32_t *doc) {
-    while (*doc < x->n_cu - 2 && x->cu[*doc + 1] <= p) ++*doc;
-    return x->cu[*doc];
+static piece_iter pieces(const ival *iv, int64_t n, int32_t chunk) {
+    piece_iter it = {iv, n, 0, n > 0 ? iv[0].a : 0, chunk};
+    return it;
 }
 
-/* Exchange tables, K/V buffer order and query bounds of one window. */
-static ncp_status build_window(const plan_ctx *x, const int32_t *local_pos, int32_t L, int32_t w, ival *ivbuf,
-                               int32_t *mark, ncp_plan_window *pw) {
-    pw->window = w;
-    NCP_TRY(alloc_array(&pw->send_counts, x->cp));
-    NCP_TRY(alloc_array(&pw->recv_counts, x->cp));
-    i32vec send = {0}, recv = {0};
-    for (int32_t rho = 0; rho < x->cp; ++rho) { /* what every other rank needs from us */
-        if (rho == x->rank) continue;
-        const int64_t n_iv = needed_intervals(x, rho, w, ivbuf), before = send.n;
-        if (!emit_owned(x, ivbuf, n_iv, x->rank, rho, 1, &send)) goto oom;
-        pw->send_counts.data[rho] = (int32_t)(send.n - before);
-    }
-    const int64_t n_iv = needed_intervals(x, x->rank, w, ivbuf);
-    for (int32_t o = 0; o < x->cp; ++o) { /* what we need from every other rank */
-        const int64_t before = recv.n;
-        if (!emit_owned(x, ivbuf, n_iv, o, x->rank, 0, &recv)) goto oom;
-        pw->recv_counts.data[o] = (int32_t)(recv.n - before);
-    }
-    pw->send_idx = vec_take(&send);
-    pw->recv_pos = vec_take(&recv);
-    /* ret_off / ret_idx: for each local row, the positions in send_idx (so in the gradients other
-     * ranks return) of its copies, ascending (rank order): a counting sort by row. */
-    NCP_TRY(alloc_array(&pw->ret_off, (int64_t)L + 1));
-    NCP_TRY(alloc_array(&pw->ret_idx, pw->send_idx.n));
-    for (int32_t j = 0; j < pw->send_idx.n; ++j) pw->ret_off.data[pw->send_idx.data[j] + 1]++;
-    for (int32_t i = 0; i < L; ++i) pw->ret_off.data[i + 1] += pw->ret_off.data[i];
-    for (int32_t j = 0; j < pw->send_idx.n; ++j) pw->ret_idx.data[pw->ret_off.data[pw->send_idx.data[j]]++] = j;
-    for (int32_t i = L; i > 0; --i) pw->ret_off.data[i] = pw->ret_off.data[i - 1]; /* undo the fill's shift */
-    pw->ret_off.data[0] = 0;
+/* Local row of position p of chunk c (owned by this rank). */
+static inline int64_t local_row(const plan_ctx *x, int32_t c, int64_t p) {
+    return (int64_t)x->chunk_slot[c] * x->chunk + (p - (int64_t)c * x->chunk);
+}
 
-    /* K/V buffer: local and received rows sorted by global position. */
-    const int32_t R = pw->recv_pos.n, Lkv = L + R;
-    NCP_TRY(alloc_array(&pw->kv_pos, Lkv));
-    NCP_TRY(alloc_array(&pw->kv_src, Lkv));
-    NCP_TRY(alloc_array(&pw->local_slot, L));
-    NCP_TRY(alloc_array(&pw->recv_slot, R));
-    /* The buffer's positions are the union of this rank's needed intervals (ivbuf, sorted, local
-     * keys included) followed by the local pad rows: walk them in order, O(L + R), and give each
-     * position its source (a local row, or the next row received from its owner). */
-    int32_t *cnt = mark; /* per-source running index into recv */
+/* Buffer slot of a real position p that the buffer holds (kv_pos runs ascend in position). */
+static int64_t slot_of(const runvec *kv, int64_t p) {
+    int32_t lo = 0, hi = kv->n - 1;
+    while (lo < hi) { /* last run with val <= p */
+        const int32_t mid = (lo + hi + 1) / 2;
+        if (kv->data[mid].val <= p) lo = mid;
+        else hi = mid - 1;
+    }
+    return kv->data[lo].out + (p - kv->data[lo].val);
+}
+
+/* send_idx / recv_pos and their counts: what every other rank needs from us, what we need. */
+static void exchange_runs(const plan_ctx *x, int32_t w, window_runs *r, ncp_plan_window *pw, int64_t *n_self_iv) {
+    int64_t S = 0, R = 0;
+    for (int32_t d = 0; d < x->cp; ++d) {
+        r->send_first[d] = r->send_rows.n;
+        r->send_rows.floor = r->send_rows.n;
+        if (d == x->rank) continue;
+        const int64_t before = S;
+        piece_iter it = pieces(x->iv, needed_intervals(x, d, w, x->iv), x->chunk);
+        int64_t p, e;
+        int32_t c;
+        while (next_piece(&it, &p, &e, &c))
+            if (x->owner[c] == x->rank) {
+                run_push(&r->t[NCP_PT_SEND_IDX], S, e - p, 1, local_row(x, c, p), 1);
+                run_push(&r->send_rows, local_row(x, c, p), e - p, 1, S, 1);
+                S += e - p;
+            }
+        pw->send_counts.data[d] = (int32_t)(S - before);
+    }
+    r->send_first[x->cp] = r->send_rows.n;
+    *n_self_iv = needed_intervals(x, x->rank, w, x->iv);
+    for (int32_t o = 0; o < x->cp; ++o) {
+        if (o == x->rank) continue;
+        const int64_t before = R;
+        piece_iter it = pieces(x->iv, *n_self_iv, x->chunk);
+        int64_t p, e;
+        int32_t c;
+        while (next_piece(&it, &p, &e, &c))
+            if (x->owner[c] == o) {
+                run_push(&r->t[NCP_PT_RECV_POS], R, e - p, 1, p, 1);
+                R += e - p;
+            }
+        pw->recv_counts.data[o] = (int32_t)(R - before);
+    }
+    const int64_t L = x->L;
+    const int64_t lens[NCP_PT_COUNT] = {S, R, L + R, L + R, L, R, L, L, L, L + 1, S};
+    memcpy(r->len, lens, sizeof lens);
+}
+
+/* The K/V buffer: this rank's needed positions in order (local rows and received ones), then the
+ * local pad rows (positions past T, never seen). */
+static void buffer_runs(const plan_ctx *x, window_runs *r, int64_t n_self_iv, const ncp_plan_window *pw) {
+    int32_t *next = x->scratch; /* per source: its next row in the received block */
     for (int32_t o = 0, base = 0; o < x->cp; ++o) {
-        cnt[o] = base;
+        next[o] = base;
         base += pw->recv_counts.data[o];
     }
     int64_t j = 0;
-    for (int64_t k = 0; k < n_iv; ++k)
-        for (int64_t p = ivbuf[k].a; p < ivbuf[k].b && j < Lkv; ++p, ++j) {
-            const int32_t c = (int32_t)(p / x->chunk), o = x->owner[c];
-            const int32_t src = o == x->rank ? x->chunk_slot[c] * x->chunk + (int32_t)(p - (int64_t)c * x->chunk)
-                                             : L + cnt[o]++;
-            pw->kv_pos.data[j] = (int32_t)p;
-            pw->kv_src.data[j] = src;
-            if (src < L) pw->local_slot.data[src] = (int32_t)j;
-            else pw->recv_slot.data[src - L] = (int32_t)j;
+    piece_iter it = pieces(x->iv, n_self_iv, x->chunk);
+    int64_t p, e;
+    int32_t c;
+    while (next_piece(&it, &p, &e, &c)) {
+        const int64_t n = e - p;
+        run_push(&r->t[NCP_PT_KV_POS], j, n, 1, p, 1);
+        if (x->owner[c] == x->rank) {
+            const int64_t i = local_row(x, c, p);
+            run_push(&r->t[NCP_PT_KV_SRC], j, n, 1, i, 1);
+            run_push(&r->t[NCP_PT_LOCAL_SLOT], i, n, 1, j, 1);
+        } else {
+            const int64_t i = next[x->owner[c]];
+            next[x->owner[c]] += (int32_t)n;
+            run_push(&r->t[NCP_PT_KV_SRC], j, n, 1, x->L + i, 1);
+            run_push(&r->t[NCP_PT_RECV_SLOT], i, n, 1, j, 1);
         }
-    for (int32_t i = 0; i < L && j < Lkv; ++i) /* pad rows: positions past T, never seen, at the end */
-        if (local_pos[i] >= x->T) {
-            pw->kv_pos.data[j] = local_pos[i];
-            pw->kv_src.data[j] = i;
-            pw->local_slot.data[i] = (int32_t)j++;
-        }
-    NCP_CHECK(j == Lkv, NCP_ERR_INVALID_ARG, "plan: %lld buffer slots for %d rows", (long long)j, (int)Lkv);
-
-    /* Per query: first visible position and its buffer range [row_lo, row_hi] (NCP_MASK_TABLE).
-     * Local rows ascend in position, so both bounds are non-decreasing; pad rows (positions past
-     * T, last in local order) see nothing: row_lo = Lkv and row_hi = the last real row's, which
-     * keeps both non-decreasing and a tile's key range ending at its last real row's keys. */
-    NCP_TRY(alloc_array(&pw->q_lo, L));
-    NCP_TRY(alloc_array(&pw->row_lo, L));
-    NCP_TRY(alloc_array(&pw->row_hi, L));
-    int32_t doc = 0, j_lo = 0, j_hi = 0;
-    pw->visible_pairs = 0;
-    for (int32_t i = 0; i < L; ++i) {
-        const int64_t p = local_pos[i];
-        if (p >= x->T) {
-            pw->q_lo.data[i] = INT32_MAX;
-            pw->row_lo.data[i] = Lkv;
-            pw->row_hi.data[i] = j_hi - 1;
-            continue;
-        }
-        int64_t lo = doc_start(x, p, &doc);
-        if (w > 0 && p - w + 1 > lo) lo = p - w + 1;
-        pw->q_lo.data[i] = (int32_t)lo;
-        while (j_lo < Lkv && pw->kv_pos.data[j_lo] < lo) ++j_lo;
-        while (j_hi < Lkv && pw->kv_pos.data[j_hi] <= p) ++j_hi;
-        pw->row_lo.data[i] = j_lo;
-        pw->row_hi.data[i] = j_hi - 1;
-        pw->visible_pairs += j_hi - j_lo;
+        j += n;
     }
+    for (int32_t cc = 0; cc < x->n_chunks; ++cc) {
+        if (x->owner[cc] != x->rank) continue;
+        const int64_t a0 = (int64_t)cc * x->chunk, b = a0 + x->chunk, a = a0 > x->T ? a0 : x->T;
+        if (a >= b) continue;
+        const int64_t i = local_row(x, cc, a);
+        run_push(&r->t[NCP_PT_KV_POS], j, b - a, 1, a, 1);
+        run_push(&r->t[NCP_PT_KV_SRC], j, b - a, 1, i, 1);
+        run_push(&r->t[NCP_PT_LOCAL_SLOT], i, b - a, 1, j, 1);
+        j += b - a;
+    }
+}
+
+/* Per local query: q_lo, row_lo, row_hi, and the visible pairs. Inside a piece of a chunk in one
+ * document, row_hi moves by 1 per row and lo(p) (so q_lo and row_lo) by 0 before p = ds + w - 1
+ * and by 1 from there: every key in [lo, p] is in the buffer, in consecutive slots. */
+static void query_runs(const plan_ctx *x, int32_t w, window_runs *r, const runvec *kv_real, ncp_plan_window *pw) {
+    const int64_t Lkv = r->len[NCP_PT_KV_POS];
+    int64_t last_hi = -1;
+    int32_t doc = 0;
+    pw->visible_pairs = 0;
+    for (int32_t c = 0; c < x->n_chunks; ++c) {
+        if (x->owner[c] != x->rank) continue;
+        const int64_t a = (int64_t)c * x->chunk, b0 = a + x->chunk, b = b0 < x->T ? b0 : x->T;
+        for (int64_t p = a; p < b;) {
+            while (doc < x->n_cu - 2 && x->cu[doc + 1] <= p) ++doc;
+            const int64_t ds = x->cu[doc], de = x->cu[doc + 1] < b ? x->cu[doc + 1] : b;
+            const int64_t split = w > 0 ? ds + w - 1 : de; /* from here lo = p - w + 1 */
+            const int64_t e = p < split ? (split < de ? split : de) : de;
+            const int32_t step = p < split ? 0 : 1;
+            const int64_t n = e - p, lo = step ? p - w + 1 : ds;
+            const int64_t i = local_row(x, c, p), hi0 = slot_of(kv_real, p), lo0 = slot_of(kv_real, lo);
+            run_push(&r->t[NCP_PT_Q_LO], i, n, 1, lo, step);
+            run_push(&r->t[NCP_PT_ROW_LO], i, n, 1, lo0, step);
+            run_push(&r->t[NCP_PT_ROW_HI], i, n, 1, hi0, 1);
+            pw->visible_pairs += n * (hi0 - lo0 + 1) + (1 - step) * n * (n - 1) / 2;
+            last_hi = hi0 + n - 1;
+            p = e;
+        }
+    }
+    for (int32_t c = 0; c < x->n_chunks; ++c) { /* pad rows see nothing; both bounds stay monotone */
+        if (x->owner[c] != x->rank) continue;
+        const int64_t a0 = (int64_t)c * x->chunk, b = a0 + x->chunk, a = a0 > x->T ? a0 : x->T;
+        if (a >= b) continue;
+        const int64_t i = local_row(x, c, a);
+        run_push(&r->t[NCP_PT_Q_LO], i, b - a, 1, INT32_MAX, 0);
+        run_push(&r->t[NCP_PT_ROW_LO], i, b - a, 1, Lkv, 0);
+        run_push(&r->t[NCP_PT_ROW_HI], i, b - a, 1, last_hi, 0);
+    }
+}
+
+/* ret_off / ret_idx: each local row's copies in send_idx, in rank order. The send runs of all
+ * destinations cut the local rows into segments with one set of copies each: a segment is one
+ * ret_off run (step = its number of copies k) and one ret_idx run of stride k per copy. */
+static ncp_status return_runs(const plan_ctx *x, window_runs *r) {
+    const runvec *s = &r->send_rows;
+    int32_t *cuts = (int32_t *)malloc((size_t)(2 * (int64_t)s->n + 2) * sizeof(int32_t));
+    if (cuts == NULL) NCP_FAIL(NCP_ERR_NOMEM, "out of host memory building a Flint plan");
+    int32_t n = 0;
+    cuts[n++] = 0;
+    cuts[n++] = x->L;
+    for (int32_t i = 0; i < s->n; ++i) {
+        cuts[n++] = s->data[i].out;
+        cuts[n++] = s->data[i].out + s->data[i].len;
+    }
+    qsort(cuts, (size_t)n, sizeof(int32_t), cmp_i32);
+    int32_t *ptr = x->scratch; /* per destination: its first send run not yet passed */
+    for (int32_t d = 0; d < x->cp; ++d) ptr[d] = r->send_first[d];
+    int64_t off = 0;
+    for (int32_t i = 0; i + 1 < n; ++i) {
+        const int32_t a = cuts[i], b = cuts[i + 1];
+        if (a == b) continue;
+        int32_t k = 0;
+        for (int32_t d = 0; d < x->cp; ++d) {
+            while (ptr[d] < r->send_first[d + 1] && s->data[ptr[d]].out + s->data[ptr[d]].len <= a) ++ptr[d];
+            k += ptr[d] < r->send_first[d + 1] && s->data[ptr[d]].out <= a;
+        }
+        run_push(&r->t[NCP_PT_RET_OFF], a, b - a, 1, off, k);
+        for (int32_t d = 0, m = 0; d < x->cp; ++d)
+            if (ptr[d] < r->send_first[d + 1] && s->data[ptr[d]].out <= a) {
+                const ncp_run *sr = &s->data[ptr[d]];
+                run_push(&r->t[NCP_PT_RET_IDX], off + m++, b - a, k, (int64_t)sr->val + (a - sr->out), 1);
+            }
+        off += (int64_t)k * (b - a);
+    }
+    run_push(&r->t[NCP_PT_RET_OFF], x->L, 1, 1, off, 0);
+    free(cuts);
     return NCP_OK;
-oom:
-    free(send.data);
-    free(recv.data);
-    NCP_FAIL(NCP_ERR_NOMEM, "out of host memory building a Flint plan");
+}
+
+static ncp_status alloc_array(ncp_i32_array *a, int64_t n) {
+    a->n = (int32_t)n;
+    a->data = (int32_t *)calloc((size_t)(n > 0 ? n : 1), sizeof(int32_t));
+    if (a->data == NULL) NCP_FAIL(NCP_ERR_NOMEM, "out of host memory building a Flint plan");
+    return NCP_OK;
+}
+
+/* The runs of every table of one window, concatenated with table offsets. */
+static ncp_status build_window(const plan_ctx *x, int32_t w, ncp_plan_window *pw) {
+    pw->window = w;
+    NCP_TRY(alloc_array(&pw->send_counts, x->cp));
+    NCP_TRY(alloc_array(&pw->recv_counts, x->cp));
+    window_runs r;
+    memset(&r, 0, sizeof r);
+    ncp_status st = NCP_OK;
+    r.send_first = (int32_t *)malloc((size_t)(x->cp + 1) * sizeof(int32_t));
+    if (r.send_first == NULL) st = ncp_set_error(NCP_ERR_NOMEM, NULL, 0, NULL, NULL, "out of host memory building a Flint plan");
+    int64_t n_self_iv = 0;
+    if (st == NCP_OK) {
+        exchange_runs(x, w, &r, pw, &n_self_iv);
+        buffer_runs(x, &r, n_self_iv, pw);
+        /* real positions only for slot lookups: the pad runs come last */
+        runvec kv_real = r.t[NCP_PT_KV_POS];
+        while (kv_real.n > 0 && kv_real.data[kv_real.n - 1].val >= x->T) --kv_real.n;
+        query_runs(x, w, &r, &kv_real, pw);
+        st = return_runs(x, &r);
+    }
+    int64_t total = 0, n_runs = 0;
+    for (int t = 0; t < NCP_PT_COUNT; ++t) {
+        pw->table_off[t] = total;
+        total += r.len[t];
+        n_runs += r.t[t].n;
+        if (r.t[t].failed && st == NCP_OK)
+            st = ncp_set_error(NCP_ERR_NOMEM, NULL, 0, NULL, NULL, "out of host memory building a Flint plan");
+    }
+    pw->table_off[NCP_PT_COUNT] = total;
+    if (st == NCP_OK && r.send_rows.failed)
+        st = ncp_set_error(NCP_ERR_NOMEM, NULL, 0, NULL, NULL, "out of host memory building a Flint plan");
+    if (st == NCP_OK && (total > INT32_MAX || n_runs > INT32_MAX))
+        st = ncp_set_error(NCP_ERR_INVALID_ARG, NULL, 0, NULL, NULL,
+                           "cu_seqlens: this pack's plan tables (%" PRId64 " entries) must fit in int32", total);
+    if (st == NCP_OK) {
+        pw->runs = (ncp_run *)malloc((size_t)(n_runs > 0 ? n_runs : 1) * sizeof(ncp_run));
+        if (pw->runs == NULL) st = ncp_set_error(NCP_ERR_NOMEM, NULL, 0, NULL, NULL, "out of host memory building a Flint plan");
+    }
+    if (st == NCP_OK) {
+        int32_t k = 0;
+        for (int t = 0; t < NCP_PT_COUNT; ++t)
+            for (int32_t i = 0; i < r.t[t].n; ++i) {
+                pw->runs[k] = r.t[t].data[i];
+                pw->runs[k++].out += (int32_t)pw->table_off[t];
+            }
+        pw->n_runs = k;
+    }
+    for (int t = 0; t < NCP_PT_COUNT; ++t) free(r.t[t].data);
+    free(r.send_rows.data);
+    free(r.send_first);
+    return st;
 }
 
 static ncp_status check_plan_args(const int32_t *cu, int32_t n_cu, int32_t cp_size, int32_t cp_rank,
@@ -230,9 +428,12 @@ ncp_status ncp_plan_build(const int32_t *cu, int32_t n_cu, int32_t cp_size, int3
     NCP_ARG_CHECK(plan != NULL, "plan must not be NULL");
     memset(plan, 0, sizeof *plan);
     NCP_TRY(check_plan_args(cu, n_cu, cp_size, cp_rank, windows, n_windows));
-    plan_ctx x = {cu, n_cu, cp_size, cp_rank, 0, 0, cu[n_cu - 1], 0, NULL, NULL};
+    plan_ctx x;
+    memset(&x, 0, sizeof x);
+    x.cu = cu, x.n_cu = n_cu, x.cp = cp_size, x.rank = cp_rank, x.T = cu[n_cu - 1];
     NCP_TRY(ncp_magi_geometry(x.T, cp_size, requested_chunk, min_chunks_per_rank, &x.chunk, &x.T_pad));
     x.n_chunks = (int32_t)(x.T_pad / x.chunk);
+    x.L = (int32_t)(x.T_pad / cp_size);
     plan->total = x.T;
     plan->total_padded = x.T_pad;
     plan->chunk_size = x.chunk;
@@ -241,30 +442,29 @@ ncp_status ncp_plan_build(const int32_t *cu, int32_t n_cu, int32_t cp_size, int3
     plan->cp_rank = cp_rank;
     ncp_status st = alloc_array(&plan->owner, x.n_chunks);
     int32_t *slots = (int32_t *)malloc((size_t)x.n_chunks * sizeof(int32_t));
-    int32_t *mark = (int32_t *)malloc((size_t)(cp_size > x.n_chunks ? cp_size : x.n_chunks) * sizeof(int32_t));
-    ival *ivbuf = (ival *)malloc((size_t)(x.n_chunks + n_cu + 1) * sizeof(ival));
+    x.scratch = (int32_t *)malloc((size_t)(cp_size + 1) * sizeof(int32_t));
+    x.iv = (ival *)malloc((size_t)(x.n_chunks + n_cu + 1) * sizeof(ival));
     plan->windows = (ncp_plan_window *)calloc((size_t)n_windows, sizeof(ncp_plan_window));
-    if (st == NCP_OK && (!slots || !mark || !ivbuf || !plan->windows))
+    runvec local = {0};
+    if (st == NCP_OK && (!slots || !x.scratch || !x.iv || !plan->windows))
         st = ncp_set_error(NCP_ERR_NOMEM, NULL, 0, NULL, NULL, "out of host memory building a Flint plan");
     if (st == NCP_OK) st = ncp_magi_dispatch(cu, n_cu, cp_size, x.chunk, x.T_pad, plan->owner.data);
     if (st == NCP_OK) {
         x.owner = plan->owner.data;
         x.chunk_slot = slots;
-        int32_t *count = mark; /* scratch: per-rank chunk counter */
-        memset(count, 0, (size_t)cp_size * sizeof(int32_t));
-        for (int32_t c = 0; c < x.n_chunks; ++c) slots[c] = count[x.owner[c]]++;
-        const int32_t L = (int32_t)(x.T_pad / cp_size);
-        st = alloc_array(&plan->local_pos, L);
-        for (int32_t c = 0, i = 0; st == NCP_OK && c < x.n_chunks; ++c)
-            if (x.owner[c] == cp_rank)
-                for (int32_t k = 0; k < x.chunk; ++k) plan->local_pos.data[i++] = c * x.chunk + k;
+        memset(x.scratch, 0, (size_t)cp_size * sizeof(int32_t)); /* per-rank chunk counter */
+        for (int32_t c = 0; c < x.n_chunks; ++c) slots[c] = x.scratch[x.owner[c]]++;
+        for (int32_t c = 0; c < x.n_chunks; ++c)
+            if (x.owner[c] == cp_rank) run_push(&local, (int64_t)slots[c] * x.chunk, x.chunk, 1, (int64_t)c * x.chunk, 1);
+        if (local.failed) st = ncp_set_error(NCP_ERR_NOMEM, NULL, 0, NULL, NULL, "out of host memory building a Flint plan");
+        plan->local_runs = local.data;
+        plan->n_local_runs = local.n;
         plan->n_windows = n_windows;
-        for (int32_t wi = 0; st == NCP_OK && wi < n_windows; ++wi)
-            st = build_window(&x, plan->local_pos.data, L, windows[wi], ivbuf, mark, &plan->windows[wi]);
+        for (int32_t wi = 0; st == NCP_OK && wi < n_windows; ++wi) st = build_window(&x, windows[wi], &plan->windows[wi]);
     }
     free(slots);
-    free(mark);
-    free(ivbuf);
+    free(x.scratch);
+    free(x.iv);
     if (st != NCP_OK) ncp_plan_free(plan);
     return st;
 }
@@ -278,14 +478,11 @@ static void free_array(ncp_i32_array *a) {
 void ncp_plan_free(ncp_plan *plan) {
     if (plan == NULL) return;
     free_array(&plan->owner);
-    free_array(&plan->local_pos);
+    free(plan->local_runs);
     for (int32_t w = 0; plan->windows != NULL && w < plan->n_windows; ++w) {
-        ncp_plan_window *pw = &plan->windows[w];
-        ncp_i32_array *arrays[] = {&pw->send_counts, &pw->recv_counts, &pw->send_idx, &pw->recv_pos,
-                                   &pw->kv_pos,      &pw->kv_src,      &pw->local_slot, &pw->recv_slot,
-                                   &pw->q_lo,        &pw->row_lo,      &pw->row_hi,   &pw->ret_off,
-                                   &pw->ret_idx};
-        for (size_t i = 0; i < sizeof arrays / sizeof arrays[0]; ++i) free_array(arrays[i]);
+        free_array(&plan->windows[w].send_counts);
+        free_array(&plan->windows[w].recv_counts);
+        free(plan->windows[w].runs);
     }
     free(plan->windows);
     memset(plan, 0, sizeof *plan);

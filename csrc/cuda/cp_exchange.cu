@@ -4,7 +4,8 @@
  * gradients of received rows by recv_slot), assemble the K/V buffer sorted by global position from
  * the local rows and the received ones, and sum the gradients other ranks return (fp32, rank
  * order, so bitwise repeatable). One thread moves 16 bytes (8 elements of 16 bits); an index
- * outside its table reads zeros. 16-bit dtypes; the CPU twin is cpu/cp_exchange.c.
+ * outside its table reads zeros. 16-bit dtypes; the CPU twin is cpu/cp_exchange.c. Also the
+ * expansion of a plan's tables from their runs (its host twin is core/plan.c).
  * Tests: tests/test_flint_plan.py (CUDA cases)   Bench: benchmarks/bench_flint.py
  */
 #include <cuda_bf16.h>
@@ -128,6 +129,18 @@ ncp_status check_vectors(const ncp_kv_pair &s, const char *op, const void *o1, c
 
 unsigned blocks(int64_t n) { return (unsigned)((n + kThreads - 1) / kThreads); }
 
+/* A plan's tables from their runs: blocks stride over the runs, threads over a run's entries. */
+__global__ void __launch_bounds__(kThreads) runs_expand_kernel(const ncp_run *runs, int32_t n_runs, int32_t *out,
+                                                              int64_t n_out) {
+    for (int32_t b = blockIdx.x; b < n_runs; b += gridDim.x) {
+        const ncp_run r = runs[b];
+        for (int32_t t = threadIdx.x; t < r.len; t += kThreads) {
+            const int64_t o = (int64_t)r.out + (int64_t)t * r.stride;
+            if (o >= 0 && o < n_out) out[o] = r.val + t * r.step;
+        }
+    }
+}
+
 }  // namespace
 }  // namespace ncp
 
@@ -161,6 +174,17 @@ extern "C" ncp_status ncp_kv_grad_sum_cuda(const ncp_kv_grad_sum_params *p, void
         ncp::kv_grad_sum_kernel<__nv_bfloat16><<<ncp::blocks(n), ncp::kThreads, 0, s>>>(*p);
     else
         ncp::kv_grad_sum_kernel<__half><<<ncp::blocks(n), ncp::kThreads, 0, s>>>(*p);
+    NCP_CUDA_CHECK(cudaGetLastError());
+    return NCP_OK;
+}
+
+extern "C" ncp_status ncp_runs_expand_cuda(const ncp_run *runs_host, const ncp_run *runs_dev, int32_t n_runs, int32_t *out,
+                                           int64_t n_out, void *stream) {
+    NCP_TRY(ncp_runs_check(runs_host, n_runs, n_out));
+    NCP_ARG_CHECK(n_runs == 0 || (runs_dev != nullptr && out != nullptr), "runs_dev and out must not be NULL");
+    if (n_runs == 0) return NCP_OK;
+    const unsigned grid = n_runs < 4096 ? (unsigned)n_runs : 4096u;
+    ncp::runs_expand_kernel<<<grid, ncp::kThreads, 0, (cudaStream_t)stream>>>(runs_dev, n_runs, out, n_out);
     NCP_CUDA_CHECK(cudaGetLastError());
     return NCP_OK;
 }

@@ -268,26 +268,48 @@ static int put_array(PyObject *d, const char *key, const ncp_i32_array *a) {
     return rc;
 }
 
-static PyObject *window_dict(const ncp_plan_window *w) {
-    PyObject *d = PyDict_New();
-    if (d == NULL) return NULL;
-    PyObject *vp = PyLong_FromLongLong((long long)w->visible_pairs), *win = PyLong_FromLong(w->window);
-    int rc = (vp && win) ? (PyDict_SetItemString(d, "visible_pairs", vp) | PyDict_SetItemString(d, "window", win)) : -1;
-    Py_XDECREF(vp);
-    Py_XDECREF(win);
-    const struct {
-        const char *k;
-        const ncp_i32_array *a;
-    } arrays[] = {{"send_counts", &w->send_counts}, {"recv_counts", &w->recv_counts}, {"send_idx", &w->send_idx},
-                  {"recv_pos", &w->recv_pos},       {"kv_pos", &w->kv_pos},           {"kv_src", &w->kv_src},
-                  {"local_slot", &w->local_slot},   {"recv_slot", &w->recv_slot},     {"q_lo", &w->q_lo},
-                  {"row_lo", &w->row_lo},           {"row_hi", &w->row_hi},           {"ret_off", &w->ret_off},
-                  {"ret_idx", &w->ret_idx}};
-    for (size_t i = 0; rc == 0 && i < sizeof arrays / sizeof arrays[0]; ++i) rc = put_array(d, arrays[i].k, arrays[i].a);
-    if (rc != 0) {
-        Py_DECREF(d);
-        return NULL;
+/* A malloc'd run list as a bytearray of (n, 5) int32 (Python views it with torch.frombuffer). */
+static int put_runs(PyObject *d, const char *key, const ncp_run *runs, int32_t n) {
+    PyObject *b = PyByteArray_FromStringAndSize((const char *)runs, (Py_ssize_t)n * (Py_ssize_t)sizeof(ncp_run));
+    if (b == NULL) return -1;
+    int rc = PyDict_SetItemString(d, key, b);
+    Py_DECREF(b);
+    return rc;
+}
+
+static PyObject *int_tuple(const int32_t *v, int32_t n) {
+    PyObject *t = PyTuple_New(n);
+    for (int32_t i = 0; t != NULL && i < n; ++i) {
+        PyObject *x = PyLong_FromLong(v[i]);
+        if (x == NULL) {
+            Py_CLEAR(t);
+            break;
+        }
+        PyTuple_SET_ITEM(t, i, x);
     }
+    return t;
+}
+
+/* {window, visible_pairs, send_counts, recv_counts, table_off (NCP_PT_COUNT + 1 ints), runs} */
+static PyObject *window_dict(const ncp_plan_window *w) {
+    PyObject *off = PyTuple_New(NCP_PT_COUNT + 1);
+    for (int i = 0; off != NULL && i <= NCP_PT_COUNT; ++i) {
+        PyObject *x = PyLong_FromLongLong((long long)w->table_off[i]);
+        if (x == NULL) {
+            Py_CLEAR(off);
+            break;
+        }
+        PyTuple_SET_ITEM(off, i, x);
+    }
+    PyObject *sc = int_tuple(w->send_counts.data, w->send_counts.n), *rc_ = int_tuple(w->recv_counts.data, w->recv_counts.n);
+    PyObject *d = (off && sc && rc_) ? Py_BuildValue("{s:i,s:L,s:O,s:O,s:O}", "window", (int)w->window, "visible_pairs",
+                                                     (long long)w->visible_pairs, "send_counts", sc, "recv_counts", rc_,
+                                                     "table_off", off)
+                                     : NULL;
+    Py_XDECREF(off);
+    Py_XDECREF(sc);
+    Py_XDECREF(rc_);
+    if (d != NULL && put_runs(d, "runs", w->runs, w->n_runs) < 0) Py_CLEAR(d);
     return d;
 }
 
@@ -318,7 +340,7 @@ PyObject *ncp_py_plan_build(PyObject *m, PyObject *const *args, Py_ssize_t nargs
                                   (int)plan.n_chunks, "cp_size", (int)plan.cp_size, "cp_rank", (int)plan.cp_rank);
     PyObject *wins = out ? PyTuple_New(nw) : NULL;
     int rc = (out && wins) ? 0 : -1;
-    if (rc == 0) rc = put_array(out, "owner", &plan.owner) | put_array(out, "local_pos", &plan.local_pos);
+    if (rc == 0) rc = put_array(out, "owner", &plan.owner) | put_runs(out, "local_runs", plan.local_runs, plan.n_local_runs);
     for (int32_t i = 0; rc == 0 && i < nw; ++i) {
         PyObject *wd = window_dict(&plan.windows[i]);
         if (wd == NULL) rc = -1;

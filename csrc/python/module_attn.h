@@ -21,6 +21,7 @@ PyObject *ncp_py_plan_build(PyObject *m, PyObject *const *args, Py_ssize_t nargs
 PyObject *ncp_py_kv_gather(PyObject *m, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
 PyObject *ncp_py_kv_assemble(PyObject *m, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
 PyObject *ncp_py_kv_grad_sum(PyObject *m, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
+PyObject *ncp_py_runs_expand(PyObject *m, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
 
 #define NCP_KW_METHOD(name, fn, doc) {name, (PyCFunction)(void (*)(void))fn, METH_FASTCALL | METH_KEYWORDS, doc}
 #define NCP_ATTN_METHODS                                                                                             \
@@ -49,6 +50,9 @@ PyObject *ncp_py_kv_grad_sum(PyObject *m, PyObject *const *args, Py_ssize_t narg
     NCP_KW_METHOD("kv_grad_sum", ncp_py_kv_grad_sum,                                                                 \
                   "kv_grad_sum(*, dkbuf, dvbuf, local_slot, back, ret_off, ret_idx, dk, dv, stream=None): "          \
                   "gradients of local rows plus those other ranks returned, fp32, rank order (CP rank step)."),      \
+    NCP_KW_METHOD("runs_expand", ncp_py_runs_expand,                                                                 \
+                  "runs_expand(*, runs, out, runs_dev=None, stream=None): out[o + t * stride] = val + t * step for "  \
+                  "every run (o, len, stride, val, step) of the host table runs (a plan's tables)."),               \
     {"magi_geometry", (PyCFunction)(void (*)(void))ncp_py_magi_geometry, METH_FASTCALL,                             \
      "magi_geometry(total, cp_size, requested_chunk, min_chunks_per_rank) -> (chunk_size, total_padded)."},         \
     {"magi_dispatch", (PyCFunction)(void (*)(void))ncp_py_magi_dispatch, METH_FASTCALL,                             \

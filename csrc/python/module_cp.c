@@ -4,6 +4,7 @@
  *   kv_gather(*, a, b, idx, out, stream=None)               out[j] = [a[idx[j]] | b[idx[j]]]
  *   kv_assemble(*, k, v, recv, slot_src, kbuf, vbuf, stream=None)
  *   kv_grad_sum(*, dkbuf, dvbuf, local_slot, back, ret_off, ret_idx, dk, dv, stream=None)
+ *   runs_expand(*, runs, out, runs_dev=None, stream=None)    a plan's tables from their runs
  * Every tensor fact is checked here (shapes that must agree, dtypes, devices, contiguity) with a
  * message naming the argument; the C entry points check the rest.
  */
@@ -20,7 +21,7 @@ static int views(ncp_kwspec *spec, PyObject *const *args, Py_ssize_t nargs, PyOb
     PyObject *o[NCP_KW_MAX];
     if (ncp_py_kwargs(spec, args, nargs, kwnames, o) < 0) return -1;
     for (int i = 0; i < n_tensors; ++i)
-        if (ncp_view_from_capsule(o[i], spec->names[i], 1, &v[i]) < 0) return -1;
+        if (ncp_view_from_capsule(o[i] != NULL ? o[i] : Py_None, spec->names[i], 1, &v[i]) < 0) return -1;
     *stream = NULL;
     return o[n_tensors] != NULL ? ncp_py_stream(o[n_tensors], stream) : 0;
 }
@@ -148,6 +149,44 @@ PyObject *ncp_py_kv_grad_sum(PyObject *m, PyObject *const *args, Py_ssize_t narg
     p.dk = v[6].data, p.dv = v[7].data;
     ncp_status st;
     NCP_PY_RUN(dev, dev_id, ncp_kv_grad_sum_cpu(&p), ncp_kv_grad_sum_cuda(&p, stream), st);
+    if (st != NCP_OK) return ncp_py_raise(st);
+    Py_RETURN_NONE;
+}
+
+static ncp_kwspec runs_spec = {"runs_expand", 4, 0x3, {"runs", "out", "runs_dev", "stream"}, {0}};
+
+/* runs: host (n, 5) int32; out: int32 1-D on the CPU or a CUDA device; runs_dev: a copy of runs on
+ * out's CUDA device (the kernel reads it; the host copy is what is checked). */
+PyObject *ncp_py_runs_expand(PyObject *m, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    (void)m;
+    ncp_view v[3];
+    void *stream;
+    if (views(&runs_spec, args, nargs, kwnames, v, 3, &stream) < 0) return NULL;
+    if (ncp_py_expect(&v[0], "runs", NCP_DT(NCP_DT_I32), 2, 2) < 0 || ncp_py_expect(&v[1], "out", NCP_DT(NCP_DT_I32), 1, 2) < 0)
+        return NULL;
+    if (v[0].device != NCP_DEV_CPU || v[0].shape[1] != 5 || v[0].shape[0] > INT32_MAX)
+        return fail(PyExc_ValueError, "runs must be a host int32 tensor of shape (runs, 5)%s%s", "", ""), NULL;
+    const int32_t n = (int32_t)v[0].shape[0];
+    const ncp_run *runs = (const ncp_run *)v[0].data;
+    ncp_status st;
+    if (v[1].device == NCP_DEV_CPU) {
+        if (v[2].present) return fail(PyExc_ValueError, "runs_dev is only for a CUDA out%s%s", "", ""), NULL;
+        Py_BEGIN_ALLOW_THREADS st = ncp_runs_expand(runs, n, (int32_t *)v[1].data, v[1].shape[0]);
+        Py_END_ALLOW_THREADS
+    } else {
+        if (!v[2].present || ncp_py_expect(&v[2], "runs_dev", NCP_DT(NCP_DT_I32), 2, 2) < 0 ||
+            v[2].shape[0] != v[0].shape[0] || v[2].shape[1] != 5) {
+            if (!PyErr_Occurred()) fail(PyExc_ValueError, "runs_dev must be a copy of runs on out's device%s%s", "", "");
+            return NULL;
+        }
+        ncp_view *both[2] = {&v[1], &v[2]};
+        const char *names[2] = {"out", "runs_dev"};
+        ncp_device_kind dev;
+        int32_t dev_id;
+        if (ncp_py_same_device(both, names, 2, &dev, &dev_id) < 0) return NULL;
+        NCP_PY_RUN(dev, dev_id, NCP_OK,
+                   ncp_runs_expand_cuda(runs, (const ncp_run *)v[2].data, n, (int32_t *)v[1].data, v[1].shape[0], stream), st);
+    }
     if (st != NCP_OK) return ncp_py_raise(st);
     Py_RETURN_NONE;
 }

@@ -352,35 +352,63 @@ typedef struct {
     int32_t *data;       /* malloc'd, n entries (NULL when n == 0) */
 } ncp_i32_array;
 
+/* A run of an int32 table: out[out + t * stride] = val + t * step for t in [0, len). A plan's
+ * tables are piecewise arithmetic (chunks are contiguous positions), so a plan is a few runs per
+ * chunk, not an entry per token; ncp_runs_expand (host) and ncp_runs_expand_cuda (device) write
+ * the tables out. */
+typedef struct {
+    int32_t out, len, stride, val, step;
+} ncp_run;
+
+/* Checks that every run writes inside [0, n_out) with values in int32, then expands them. */
+ncp_status ncp_runs_check(const ncp_run *runs, int32_t n_runs, int64_t n_out);
+ncp_status ncp_runs_expand(const ncp_run *runs, int32_t n_runs, int32_t *out, int64_t n_out);
+/* The same on the device, on `stream`: runs_host is checked, runs_dev (a device copy of it) is read;
+ * the kernel drops any write outside [0, n_out) whatever runs_dev holds. */
+ncp_status ncp_runs_expand_cuda(const ncp_run *runs_host, const ncp_run *runs_dev, int32_t n_runs, int32_t *out,
+                                int64_t n_out, void *stream);
+
+/* The tables of one window, in this order in the window's expanded buffer. */
+enum {
+    NCP_PT_SEND_IDX,   /* (S,) local rows to send, grouped by destination rank */
+    NCP_PT_RECV_POS,   /* (R,) global positions of received rows, grouped by source */
+    NCP_PT_KV_POS,     /* (L + R,) sorted positions of the K/V buffer */
+    NCP_PT_KV_SRC,     /* (L + R,) row of cat(local, received) feeding each buffer slot */
+    NCP_PT_LOCAL_SLOT, /* (L,) buffer slot of each local row */
+    NCP_PT_RECV_SLOT,  /* (R,) buffer slot of each received row */
+    NCP_PT_Q_LO,       /* (L,) first visible global position per local query */
+    NCP_PT_ROW_LO,     /* (L,) NCP_MASK_TABLE bounds: buffer slots [row_lo, row_hi] */
+    NCP_PT_ROW_HI,     /* (L,) */
+    NCP_PT_RET_OFF,    /* (L + 1,) CSR of send_idx by local row: offsets */
+    NCP_PT_RET_IDX,    /* (S,) positions in send_idx of each local row's copies, rank order */
+    NCP_PT_COUNT
+};
+
 /* One rank's view of one window. Arrays are malloc'd; free with ncp_plan_free. */
 typedef struct {
     int32_t window;
     int64_t visible_pairs;          /* sum over local queries of visible keys (FLOP counting) */
     ncp_i32_array send_counts;      /* (cp,) tokens this rank sends to each rank */
     ncp_i32_array recv_counts;      /* (cp,) tokens this rank receives from each rank */
-    ncp_i32_array send_idx;         /* local rows to send, grouped by destination rank */
-    ncp_i32_array recv_pos;         /* global positions of received rows, grouped by source */
-    ncp_i32_array kv_pos;           /* (L + R,) sorted positions of the K/V buffer */
-    ncp_i32_array kv_src;           /* (L + R,) row of cat(local, received) feeding each buffer slot */
-    ncp_i32_array local_slot;       /* (L,) buffer slot of each local row */
-    ncp_i32_array recv_slot;        /* (R,) buffer slot of each received row */
-    ncp_i32_array q_lo;             /* (L,) first visible global position per local query */
-    ncp_i32_array row_lo, row_hi;   /* (L,) NCP_MASK_TABLE bounds: buffer slots [row_lo, row_hi] */
-    ncp_i32_array ret_off, ret_idx; /* (L + 1,), (sum(send_counts),): CSR of send_idx by local row */
+    int64_t table_off[NCP_PT_COUNT + 1]; /* table t = entries [table_off[t], table_off[t + 1]) */
+    int32_t n_runs;
+    ncp_run *runs;                  /* expand into table_off[NCP_PT_COUNT] int32 entries */
 } ncp_plan_window;
 
 typedef struct {
     int64_t total, total_padded;
     int32_t chunk_size, n_chunks, cp_size, cp_rank;
     ncp_i32_array owner;            /* (n_chunks,) */
-    ncp_i32_array local_pos;        /* (L,) this rank's global positions, ascending */
+    int32_t n_local_runs;
+    ncp_run *local_runs;            /* expand into (L,) this rank's global positions, ascending */
     int32_t n_windows;
     ncp_plan_window *windows;
 } ncp_plan;
 
 /* Builds rank `cp_rank`'s plan for every window in `windows` (0 = full causal, W = W keys counting
  * the current token) over one shared MinHeap partition. Deterministic: every rank computes the
- * same partition and exchange tables, so no collective is needed. */
+ * same partition and exchange tables, so no collective is needed. Its cost grows with the chunks
+ * and documents, not with the tokens. */
 ncp_status ncp_plan_build(const int32_t *cu_seqlens, int32_t n_cu, int32_t cp_size, int32_t cp_rank,
                           int32_t requested_chunk, int32_t min_chunks_per_rank, const int32_t *windows,
                           int32_t n_windows, ncp_plan *plan);
