@@ -410,7 +410,7 @@ def render_page(page: str, sources: dict | None = None) -> str:
 
 def _is_gpu_run(kind: str, path: str) -> bool:
     data = _read(path)
-    return data.get("device") == "cuda" if kind == "mimo" else bool(data.get("simulated"))
+    return data.get("device") == "cuda" if kind == "mimo" else bool(data.get("cp"))
 
 
 def import_run(directory: str, page: str) -> dict:

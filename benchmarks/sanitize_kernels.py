@@ -83,6 +83,13 @@ def malformed():
                    row_hi=torch.randint(-1000, 2000, (T,), device="cuda", dtype=torch.int32))  # not monotone
     out, lse = attn_forward(q, k, v, s, bad, 0.1)
     attn_backward(torch.randn_like(out), q, k, v, s, out, lse, bad, 0.1)
+    # a plan's runs: the device copy disagrees with the checked host runs (writes past the table)
+    from nemo_cp_native._ops import _C, dl
+
+    runs = torch.tensor([[0, 3, 1, 5, 1], [3, 2, 2, 9, 0]], dtype=torch.int32)
+    stray = torch.tensor([[0, 3, 1, 1, 1], [2, 100000, 3, 0, 0]], dtype=torch.int32, device="cuda")
+    _C.runs_expand(runs=dl(runs), runs_dev=dl(stray), out=dl(torch.empty(6, dtype=torch.int32, device="cuda")),
+                   stream=torch.cuda.current_stream().cuda_stream)  # fmt: skip
 
 
 def initcheck_probe():

@@ -146,10 +146,13 @@ class SinkAttnFunc(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, out, lse, sink)
         ctx.mask, ctx.scale = mask, scale
         ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # no zero-filled dlse for the non-differentiable lse
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
+        if dout is None:  # only lse was used: nothing flows back
+            return None, None, None, None, None, None
         q, k, v, out, lse, sink = ctx.saved_tensors
         dq, dk, dv, dsink = attn_backward(dout, q, k, v, sink, out, lse, ctx.mask, ctx.scale)
         return dq, dk, dv, dsink, None, None
