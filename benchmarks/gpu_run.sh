@@ -11,7 +11,7 @@
 # Set NCP_COMMIT from the machine that holds the repository: the device tool's copy of .git can be
 # stale, so `git rev-parse` run there may name an older commit than the tree it copied.
 # stages: build baseline test sanitize probe profile kernels attn ab host mimo flint demo all (default: all; probe: the
-# racecheck mbarrier probe, profile: Nsight Compute on the Hopper forward, PROF_CASES, PROF_ENV;
+# racecheck mbarrier probe, profile: Nsight Compute on named kernels, PROF_RUNS, PROF_ENV;
 # neither is part of all; baseline builds the tree in .baseline/ (carry it: an older commit's source,
 # e.g. `git archive c355efb csrc nemo_cp_native setup.py pyproject.toml | tar -x -C .baseline`) beside
 # the main build, and ab times both builds round robin with benchmarks/ab_attention.py, AB_ARGS;
@@ -90,14 +90,17 @@ if [[ " $STAGES " == *" probe "* ]]; then  # only when named: does racecheck mod
   fi
 fi
 
-if [[ " $STAGES " == *" profile "* ]]; then  # only when named: Nsight Compute on the Hopper forward (ncu.txt)
-  for c in ${PROF_CASES:-flint-8k-w513 flint-8k-causal}; do
-    echo "==== $c (${PROF_ENV:-defaults})" >> "$OUT/ncu.txt"
-    env ${PROF_ENV:-} timeout ${PROF_TIMEOUT:-200} ncu --clock-control none --kernel-name regex:sink_attn_fwd_sm90 --launch-skip 3 --launch-count 1 \
+if [[ " $STAGES " == *" profile "* ]]; then  # only when named: Nsight Compute, the 4th launch of each kernel (ncu.txt)
+  # PROF_RUNS: case:kernel-regex[:bwd] items; the kernel regex names one kernel of the call
+  details=""; ncu --help 2>/dev/null | grep -q -- "--print-details" && details="--print-details all"
+  for item in ${PROF_RUNS:-flint-8k-causal:sink_attn_fwd_sm90 flint-8k-w513:sink_attn_fwd_sm90 flint-8k-causal:bwd_dkdv_sm90:bwd flint-8k-w513:bwd_dkdv_sm90:bwd}; do
+    IFS=: read -r c k b <<< "$item"
+    echo "==== $c $k (${PROF_ENV:-defaults})" >> "$OUT/ncu.txt"
+    env ${PROF_ENV:-} timeout ${PROF_TIMEOUT:-200} ncu --clock-control none --kernel-name regex:$k --launch-skip 3 --launch-count 1 \
       --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
-      --section MemoryWorkloadAnalysis --section LaunchStats --section Occupancy \
-      $PY benchmarks/profile_attn_fwd.py $c >> "$OUT/ncu.txt" 2>&1
-    note "ncu $c: exit $?"
+      --section MemoryWorkloadAnalysis --section LaunchStats --section Occupancy $details \
+      $PY benchmarks/profile_attn.py ${b:+--bwd} $c >> "$OUT/ncu.txt" 2>&1
+    note "ncu $c $k: exit $?"
   done
 fi
 
