@@ -229,5 +229,9 @@ def sink_attention(
     scale = float((D**-0.5 if D > 0 else 1.0) if scale is None else scale)
     q, k, v = (t if t.ndim != 3 or t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     mask = AttnMask(cu_seqlens=cu_seqlens, window=window)
-    out, lse = SinkAttnFunc.apply(q, k, v, sink, mask, scale)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                    or (sink is not None and sink.requires_grad)):  # fmt: skip
+        out, lse = SinkAttnFunc.apply(q, k, v, sink, mask, scale)
+    else:  # nothing to differentiate: no autograd node (its Python machinery is most of the host cost)
+        out, lse = attn_forward(q, k, v, sink, mask, scale)
     return (out, lse) if return_lse else out
