@@ -733,3 +733,24 @@ def test_cuda_bad_input():
         with pytest.raises(ValueError) as ei:
             ncp.sink_attention(a["q"], a["k"], a["v"], a["sink"], a["cu_seqlens"])
         assert msg in str(ei.value), str(ei.value)
+
+
+def test_autograd_node_only_when_something_requires_grad(ncp_seed):
+    """No-grad calls (or inputs that need no grad) skip the autograd node and give the same values;
+    any input that requires grad under grad mode gets the node and its gradient."""
+    g = torch.Generator().manual_seed(ncp_seed)
+    c = make_attention_case([37, 90], 4, 2, 16, dtype=torch.float32, generator=g)
+    args = (c["q"], c["k"], c["v"], c["sink"], c["cu_seqlens"])
+    plain = ncp.sink_attention(*args, window=7)
+    assert plain.grad_fn is None
+    with torch.no_grad():
+        assert torch.equal(ncp.sink_attention(*args, window=7), plain)
+    for name in ("q", "k", "v", "sink"):
+        leaf = c[name].clone().requires_grad_(True)
+        got = ncp.sink_attention(*(leaf if n == name else c[n] for n in ("q", "k", "v", "sink")), c["cu_seqlens"], window=7)
+        assert isinstance(got.grad_fn, torch.autograd.graph.Node) and torch.equal(got.detach(), plain)
+        got.sum().backward()
+        assert leaf.grad is not None and torch.isfinite(leaf.grad).all(), name
+        with torch.no_grad():
+            assert ncp.sink_attention(*(leaf if n == name else c[n] for n in ("q", "k", "v", "sink")), c["cu_seqlens"],
+                                      window=7).grad_fn is None  # fmt: skip
