@@ -435,20 +435,12 @@ def test_exchange_ops_on_the_cpu(dtype):
 # ============================================================================ 7. tables as runs
 
 
-def _expand_ref(runs: torch.Tensor, n: int) -> torch.Tensor:
-    """out[o + t * stride] = val + t * step, written plainly (the oracle of runs_expand)."""
-    out = torch.full((n,), -7, dtype=torch.int64)
-    for o, ln, stride, val, step in runs.tolist():
-        t = torch.arange(ln)
-        out[o + t * stride] = val + t * step
-    return out.to(torch.int32)
-
-
 def test_runs_expand_matches_the_plain_loop_and_checks_its_runs():
     runs = torch.tensor([[0, 3, 1, 5, 1], [3, 2, 2, 9, 0], [4, 3, 2, -4, 3], [9, 0, 1, 0, 0]], dtype=torch.int32)
     out = torch.full((10,), -7, dtype=torch.int32)
     _C.runs_expand(runs=dl(runs), out=dl(out))
-    assert out.tolist() == _expand_ref(runs, 10).tolist() == [5, 6, 7, 9, -4, 9, -1, -7, 2, -7]
+    want = rmagi.expand_runs(runs, 10, fill=-7)  # entries no run writes keep what out held
+    assert out.tolist() == want.tolist() == [5, 6, 7, 9, -4, 9, -1, -7, 2, -7]
     bad = {
         "writes outside": [0, 11, 1, 0, 1],
         "len=-1 < 0": [0, -1, 1, 0, 1],
@@ -476,5 +468,6 @@ def test_plan_holds_runs_per_chunk_not_entries_per_token(cu, cp, window):
     for w in raw["windows"]:
         runs = flint._runs(w["runs"])
         assert runs.shape[0] <= 12 * raw["n_chunks"] * cp + 8 * len(cu), (runs.shape, raw["n_chunks"])
-        assert torch.equal(flint._expand(runs, w["table_off"][-1], torch.device("cpu"), []),
-                           _expand_ref(runs, w["table_off"][-1]))  # fmt: skip
+        n = w["table_off"][-1]
+        got = flint._expand(runs, n, torch.device("cpu"), [])
+        assert torch.equal(got, rmagi.expand_runs(runs, n))

@@ -7,6 +7,6 @@ Users may import them in their own tests:
 - ``mimo``: the whole MiMo TE-THD sharding path (framework helpers + MiMo wrapper).
 - ``sink_attention``: float64 learned-sink attention over packed documents, forward and backward.
 - ``magi``: MagiAttention's default dispatch (chunk cap, padding, MinHeap solver) and the
-  visible remote-token sets a CP rank needs.
+  visible remote-token sets a CP rank needs; ``expand_runs``, the tables a plan's runs describe.
 - ``cp_attention``: whole-sequence oracle for context-parallel sink attention.
 """

@@ -230,3 +230,16 @@ def load_per_rank(workloads: Sequence[int], partitions) -> list[int]:
     """Sum of chunk workloads per rank (diagnostics and tests)."""
     return [sum(workloads[c] for c in p) for p in partitions]
 
+
+
+def expand_runs(runs, n: int, fill: int = -1):
+    """The int32 table a plan's runs describe: ``out[o + t * stride] = val + t * step`` for every
+    run ``(o, len, stride, val, step)`` and ``t < len``; entries no run writes hold ``fill``. The oracle of
+    ``_C.runs_expand`` (plans hold their tables as runs, ``csrc/core/plan.c``)."""
+    import torch
+
+    out = [fill] * n
+    for o, length, stride, val, step in (runs.tolist() if hasattr(runs, "tolist") else runs):
+        for t in range(length):
+            out[o + t * stride] = val + t * step
+    return torch.tensor(out, dtype=torch.int32)
