@@ -437,6 +437,10 @@ def test_exchange_ops_on_the_cpu(dtype):
 
 def test_runs_expand_matches_the_plain_loop_and_checks_its_runs():
     runs = torch.tensor([[0, 3, 1, 5, 1], [3, 2, 2, 9, 0], [4, 3, 2, -4, 3], [9, 0, 1, 0, 0]], dtype=torch.int32)
+    big = torch.tensor([[0, 3, 1, -(2**31) + 5, 2**30]], dtype=torch.int32)  # t * step leaves int32, the values do not
+    wide = torch.empty(3, dtype=torch.int32)
+    _C.runs_expand(runs=dl(big), out=dl(wide))
+    assert wide.tolist() == rmagi.expand_runs(big, 3).tolist() == [-(2**31) + 5, -(2**30) + 5, 5]
     out = torch.full((10,), -7, dtype=torch.int32)
     _C.runs_expand(runs=dl(runs), out=dl(out))
     want = rmagi.expand_runs(runs, 10, fill=-7)  # entries no run writes keep what out held

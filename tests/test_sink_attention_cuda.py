@@ -483,6 +483,9 @@ def test_cuda_runs_expand_checks_its_runs_and_never_writes_outside():
     out = torch.full((6,), -7, dtype=torch.int32, device=DEV)
     _C.runs_expand(runs=dl(runs), runs_dev=dl(runs.to(DEV)), out=dl(out), stream=torch.cuda.current_stream().cuda_stream)
     assert out.tolist() == [5, 6, 7, 9, -7, 9]
+    big = torch.tensor([[0, 3, 1, -(2**31) + 5, 2**30]], dtype=torch.int32)  # t * step leaves int32, values do not
+    _C.runs_expand(runs=dl(big), runs_dev=dl(big.to(DEV)), out=dl(out[:3]))
+    assert out[:3].tolist() == [-(2**31) + 5, -(2**30) + 5, 5]
     with pytest.raises(ValueError, match="writes outside a table of 6"):
         bad = torch.tensor([[4, 3, 1, 0, 1]], dtype=torch.int32)
         _C.runs_expand(runs=dl(bad), runs_dev=dl(bad.to(DEV)), out=dl(out))

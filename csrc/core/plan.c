@@ -53,10 +53,11 @@ ncp_status ncp_runs_expand(const ncp_run *runs, int32_t n_runs, int32_t *out, in
     for (int32_t i = 0; i < n_runs; ++i) {
         const ncp_run r = runs[i];
         int32_t *o = out + r.out;
+        /* in int64: val + t * step is checked to fit int32, t * step alone need not */
         if (r.stride == 1) {
-            for (int32_t t = 0; t < r.len; ++t) o[t] = r.val + t * r.step;
+            for (int32_t t = 0; t < r.len; ++t) o[t] = (int32_t)((int64_t)r.val + (int64_t)t * r.step);
         } else {
-            for (int32_t t = 0; t < r.len; ++t) o[(int64_t)t * r.stride] = r.val + t * r.step;
+            for (int32_t t = 0; t < r.len; ++t) o[(int64_t)t * r.stride] = (int32_t)((int64_t)r.val + (int64_t)t * r.step);
         }
     }
     return NCP_OK;

@@ -136,7 +136,7 @@ __global__ void __launch_bounds__(kThreads) runs_expand_kernel(const ncp_run *ru
         const ncp_run r = runs[b];
         for (int32_t t = threadIdx.x; t < r.len; t += kThreads) {
             const int64_t o = (int64_t)r.out + (int64_t)t * r.stride;
-            if (o >= 0 && o < n_out) out[o] = r.val + t * r.step;
+            if (o >= 0 && o < n_out) out[o] = (int32_t)((int64_t)r.val + (int64_t)t * r.step);
         }
     }
 }
