@@ -118,21 +118,25 @@ class MagiAttentionKey:
         return self.total_seqlen_q // self.cp_size
 
     def _host(self) -> dict:
-        """Every table on the host (written out once, then cached)."""
+        """Every table of the window on the host (written out once, then cached)."""
         if "host" not in self._cache:
             buf = _expand(_runs(self.runs), self.table_off[-1], torch.device("cpu"), [])
-            host = {name: buf[self.table_off[i] : self.table_off[i + 1]] for i, name in enumerate(_TABLES)}
-            host["local"] = _expand(_runs(self.local_runs), self.num_local_tokens, torch.device("cpu"), [])
-            self._cache["host"] = host
+            self._cache["host"] = {name: buf[self.table_off[i] : self.table_off[i + 1]] for i, name in enumerate(_TABLES)}
         return self._cache["host"]
+
+    def _local(self) -> Tensor:
+        """This rank's global positions, int32 (written out once, then cached; the sharder needs only these)."""
+        if "local" not in self._cache:
+            self._cache["local"] = _expand(_runs(self.local_runs), self.num_local_tokens, torch.device("cpu"), [])
+        return self._cache["local"]
 
     @property
     def local_token_global_indices(self) -> Tensor:
-        return self._host()["local"].long()
+        return self._local().long()
 
     @property
     def q_pos(self) -> Tensor:
-        return self._host()["local"]
+        return self._local()
 
     @property
     def send_idx(self) -> Tensor:
@@ -168,8 +172,11 @@ class MagiAttentionKey:
         key = str(device)
         if key not in self._cache:
             keep = []
-            buf = _expand(_runs(self.runs), self.table_off[-1], device, keep)
-            t = {name: buf[self.table_off[i] : self.table_off[i + 1]] for i, name in enumerate(_TABLES)}
+            if device.type == "cpu":
+                t = self._host()
+            else:
+                buf = _expand(_runs(self.runs), self.table_off[-1], device, keep)
+                t = {name: buf[self.table_off[i] : self.table_off[i + 1]] for i, name in enumerate(_TABLES)}
             self._cache[key] = {
                 "mask": AttnMask(row_lo=t["row_lo"], row_hi=t["row_hi"]),
                 **{name: t[name] for name in _DEVICE_TABLES},
