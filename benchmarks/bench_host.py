@@ -41,6 +41,21 @@ def host_us(fn, reps: int = 50, spin: int = 20_000_000) -> float:
     return statistics.median(ts)
 
 
+def backward_host_us(forward, dout, reps: int = 30, spin: int = 20_000_000) -> float:
+    """Host time of ``out.backward(dout)`` with the GPU kept busy; each repetition's graph comes from
+    ``forward()``, built outside the timed region. Median after 3 warm repetitions."""
+    ts = []
+    for _ in range(reps):
+        out = forward()
+        torch.cuda.synchronize()
+        torch.cuda._sleep(spin)
+        t0 = time.perf_counter_ns()
+        out.backward(dout)
+        ts.append((time.perf_counter_ns() - t0) / 1e3)
+        torch.cuda.synchronize()
+    return statistics.median(ts[3:])
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json")
@@ -54,30 +69,17 @@ def main(argv=None) -> int:
             with torch.no_grad():
                 ncp.sink_attention(q, k, v, s, cu, window=w)
 
-        out = ncp.sink_attention(q, k, v, s, cu, window=w)
-        dout = torch.randn_like(out)
+        dout = torch.randn_like(q)
         outs = []
 
-        def prep():  # a fresh graph per backward, built outside the timed region
-            outs.append(ncp.sink_attention(q, k, v, s, cu, window=w))
-
-        def bwd():
+        def bwd():  # for the sync count: one backward of a graph built beforehand
             outs.pop().backward(dout)
 
         fwd_us = host_us(fwd)
-        bwd_ts = []
-        for _ in range(30):
-            prep()
-            torch.cuda.synchronize()
-            torch.cuda._sleep(20_000_000)
-            t0 = time.perf_counter_ns()
-            bwd()
-            bwd_ts.append((time.perf_counter_ns() - t0) / 1e3)
-            torch.cuda.synchronize()
-        prep()
-        rows.append({"op": f"sink_attention w{w}", "fwd_host_us": round(fwd_us, 1),
-                     "bwd_host_us": round(statistics.median(bwd_ts[3:]), 1), "fwd_syncs": count_syncs(fwd),
-                     "bwd_syncs": count_syncs(bwd)})  # fmt: skip
+        bwd_us = backward_host_us(lambda: ncp.sink_attention(q, k, v, s, cu, window=w), dout)
+        outs.append(ncp.sink_attention(q, k, v, s, cu, window=w))
+        rows.append({"op": f"sink_attention w{w}", "fwd_host_us": round(fwd_us, 1), "bwd_host_us": round(bwd_us, 1),
+                     "fwd_syncs": count_syncs(fwd), "bwd_syncs": count_syncs(bwd)})  # fmt: skip
     qs, ks, vs = (t.detach().transpose(0, 1).unsqueeze(0) for t in (q[:8192], k[:8192].repeat_interleave(8, 1),
                                                                      v[:8192].repeat_interleave(8, 1)))  # fmt: skip
 
@@ -88,23 +90,17 @@ def main(argv=None) -> int:
     # SDPA's backward through the same autograd engine: the floor any autograd op pays on this host
     qg, kg, vg = (t.detach().clone().requires_grad_(True) for t in (qs, ks, vs))
     douts = torch.randn_like(qs)
-    souts = []
+
+    def sdpa_graph():
+        return torch.nn.functional.scaled_dot_product_attention(qg, kg, vg, is_causal=True)
+
+    souts = [sdpa_graph()]
 
     def sdpa_bwd():
         souts.pop().backward(douts)
 
-    sdpa_bwd_ts = []
-    for _ in range(30):
-        souts.append(torch.nn.functional.scaled_dot_product_attention(qg, kg, vg, is_causal=True))
-        torch.cuda.synchronize()
-        torch.cuda._sleep(20_000_000)
-        t0 = time.perf_counter_ns()
-        sdpa_bwd()
-        sdpa_bwd_ts.append((time.perf_counter_ns() - t0) / 1e3)
-        torch.cuda.synchronize()
-    souts.append(torch.nn.functional.scaled_dot_product_attention(qg, kg, vg, is_causal=True))
     rows.append({"op": "SDPA causal (8k, no sink)", "fwd_host_us": round(host_us(sdpa), 1),
-                 "bwd_host_us": round(statistics.median(sdpa_bwd_ts[3:]), 1), "fwd_syncs": count_syncs(sdpa),
+                 "bwd_host_us": round(backward_host_us(sdpa_graph, douts), 1), "fwd_syncs": count_syncs(sdpa),
                  "bwd_syncs": count_syncs(sdpa_bwd)})  # fmt: skip
     print_table(rows, list(rows[0]))
     write_json(args.json, {"env": env_record(), "method": "queued 20M-cycle spin, host clock, median", "rows": rows})

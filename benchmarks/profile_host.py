@@ -10,7 +10,9 @@ whole forward and one whole ``out.backward``. A profiling tool, not a benchmark 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import time
 
 import torch
@@ -19,6 +21,9 @@ import nemo_cp_native as ncp
 from nemo_cp_native import attention as A
 from nemo_cp_native._ops import _C, dl, dl_named, stream_of
 from nemo_cp_native.testing import doc_lengths, make_attention_case
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_host import backward_host_us  # noqa: E402
 
 
 def under_spin(fn, reps=30):
@@ -70,33 +75,8 @@ def main() -> int:
                                  dv=dl(dv), sink=dl(sd), dsink=dl(dsk), workspace=dl(ws), scale=scale, deterministic=0,
                                  stream=stream_of(qd.device), cu_seqlens=dl(cu), window=w))
     rows["bwd: attn_backward"] = under_spin(lambda: A.attn_backward(dout, qd, kd, vd, sd, out, lse, mask, scale))
-    outs = []
-
-    def bwd():
-        outs.pop().backward(dout)
-
-    ts = []
-    for _ in range(20):
-        outs.append(ncp.sink_attention(q, k, v, s, cu, window=w))
-        torch.cuda.synchronize()
-        torch.cuda._sleep(20_000_000)
-        t0 = time.perf_counter_ns()
-        bwd()
-        ts.append((time.perf_counter_ns() - t0) / 1e3)
-        torch.cuda.synchronize()
-    rows["bwd: out.backward (autograd, grads accumulate)"] = round(statistics.median(ts[3:]), 1)
-    for t in (q, k, v, s):
-        t.grad = None
-    ts = []
-    for _ in range(20):
-        outs.append(ncp.sink_attention(q, k, v, s, cu, window=w))
-        torch.cuda.synchronize()
-        torch.cuda._sleep(20_000_000)
-        t0 = time.perf_counter_ns()
-        torch.autograd.grad(outs.pop(), (q, k, v, s), dout)
-        ts.append((time.perf_counter_ns() - t0) / 1e3)
-        torch.cuda.synchronize()
-    rows["bwd: torch.autograd.grad (no accumulation)"] = round(statistics.median(ts[3:]), 1)
+    rows["bwd: out.backward (autograd, grads accumulate)"] = round(
+        backward_host_us(lambda: ncp.sink_attention(q, k, v, s, cu, window=w), dout, reps=20), 1)
     for name, us in rows.items():
         print(f"{us:10.1f} us  {name}")
     from torch.profiler import ProfilerActivity, profile

@@ -94,6 +94,10 @@ static void run_push(runvec *v, int64_t out, int64_t len, int32_t stride, int64_
     v->data[v->n++] = (ncp_run){(int32_t)out, (int32_t)len, stride, (int32_t)val, step};
 }
 
+static ncp_status oom(void) {
+    return ncp_set_error(NCP_ERR_NOMEM, NULL, 0, NULL, NULL, "out of host memory building a Flint plan");
+}
+
 static int cmp_i32(const void *a, const void *b) {
     const int32_t u = *(const int32_t *)a, v = *(const int32_t *)b;
     return (u > v) - (u < v);
@@ -174,6 +178,15 @@ static int next_piece(piece_iter *it, int64_t *p, int64_t *e, int32_t *c) {
 static piece_iter pieces(const ival *iv, int64_t n, int32_t chunk) {
     piece_iter it = {iv, n, 0, n > 0 ? iv[0].a : 0, chunk};
     return it;
+}
+
+/* The pad rows (positions T .. T_pad - 1, nobody's keys, seeing nothing) of chunk c when this rank
+ * owns it: [*a, *b); 0 when there are none. */
+static int pad_rows(const plan_ctx *x, int32_t c, int64_t *a, int64_t *b) {
+    const int64_t a0 = (int64_t)c * x->chunk;
+    *b = a0 + x->chunk;
+    *a = a0 > x->T ? a0 : x->T;
+    return x->owner[c] == x->rank && *a < *b;
 }
 
 /* Local row of position p of chunk c (owned by this rank). */
@@ -258,10 +271,9 @@ static void buffer_runs(const plan_ctx *x, window_runs *r, int64_t n_self_iv, co
         }
         j += n;
     }
-    for (int32_t cc = 0; cc < x->n_chunks; ++cc) {
-        if (x->owner[cc] != x->rank) continue;
-        const int64_t a0 = (int64_t)cc * x->chunk, b = a0 + x->chunk, a = a0 > x->T ? a0 : x->T;
-        if (a >= b) continue;
+    for (int32_t cc = (int32_t)(x->T / x->chunk); cc < x->n_chunks; ++cc) {
+        int64_t a, b;
+        if (!pad_rows(x, cc, &a, &b)) continue;
         const int64_t i = local_row(x, cc, a);
         run_push(&r->t[NCP_PT_KV_POS], j, b - a, 1, a, 1);
         run_push(&r->t[NCP_PT_KV_SRC], j, b - a, 1, i, 1);
@@ -297,10 +309,9 @@ static void query_runs(const plan_ctx *x, int32_t w, window_runs *r, const runve
             p = e;
         }
     }
-    for (int32_t c = 0; c < x->n_chunks; ++c) { /* pad rows see nothing; both bounds stay monotone */
-        if (x->owner[c] != x->rank) continue;
-        const int64_t a0 = (int64_t)c * x->chunk, b = a0 + x->chunk, a = a0 > x->T ? a0 : x->T;
-        if (a >= b) continue;
+    for (int32_t c = (int32_t)(x->T / x->chunk); c < x->n_chunks; ++c) { /* both bounds stay monotone */
+        int64_t a, b;
+        if (!pad_rows(x, c, &a, &b)) continue;
         const int64_t i = local_row(x, c, a);
         run_push(&r->t[NCP_PT_Q_LO], i, b - a, 1, INT32_MAX, 0);
         run_push(&r->t[NCP_PT_ROW_LO], i, b - a, 1, Lkv, 0);
@@ -314,7 +325,7 @@ static void query_runs(const plan_ctx *x, int32_t w, window_runs *r, const runve
 static ncp_status return_runs(const plan_ctx *x, window_runs *r) {
     const runvec *s = &r->send_rows;
     int32_t *cuts = (int32_t *)malloc((size_t)(2 * (int64_t)s->n + 2) * sizeof(int32_t));
-    if (cuts == NULL) NCP_FAIL(NCP_ERR_NOMEM, "out of host memory building a Flint plan");
+    if (cuts == NULL) return oom();
     int32_t n = 0;
     cuts[n++] = 0;
     cuts[n++] = x->L;
@@ -350,7 +361,7 @@ static ncp_status return_runs(const plan_ctx *x, window_runs *r) {
 static ncp_status alloc_array(ncp_i32_array *a, int64_t n) {
     a->n = (int32_t)n;
     a->data = (int32_t *)calloc((size_t)(n > 0 ? n : 1), sizeof(int32_t));
-    if (a->data == NULL) NCP_FAIL(NCP_ERR_NOMEM, "out of host memory building a Flint plan");
+    if (a->data == NULL) return oom();
     return NCP_OK;
 }
 
@@ -363,7 +374,7 @@ static ncp_status build_window(const plan_ctx *x, int32_t w, ncp_plan_window *pw
     memset(&r, 0, sizeof r);
     ncp_status st = NCP_OK;
     r.send_first = (int32_t *)malloc((size_t)(x->cp + 1) * sizeof(int32_t));
-    if (r.send_first == NULL) st = ncp_set_error(NCP_ERR_NOMEM, NULL, 0, NULL, NULL, "out of host memory building a Flint plan");
+    if (r.send_first == NULL) st = oom();
     int64_t n_self_iv = 0;
     if (st == NCP_OK) {
         exchange_runs(x, w, &r, pw, &n_self_iv);
@@ -379,18 +390,16 @@ static ncp_status build_window(const plan_ctx *x, int32_t w, ncp_plan_window *pw
         pw->table_off[t] = total;
         total += r.len[t];
         n_runs += r.t[t].n;
-        if (r.t[t].failed && st == NCP_OK)
-            st = ncp_set_error(NCP_ERR_NOMEM, NULL, 0, NULL, NULL, "out of host memory building a Flint plan");
+        if (r.t[t].failed && st == NCP_OK) st = oom();
     }
     pw->table_off[NCP_PT_COUNT] = total;
-    if (st == NCP_OK && r.send_rows.failed)
-        st = ncp_set_error(NCP_ERR_NOMEM, NULL, 0, NULL, NULL, "out of host memory building a Flint plan");
+    if (st == NCP_OK && r.send_rows.failed) st = oom();
     if (st == NCP_OK && (total > INT32_MAX || n_runs > INT32_MAX))
         st = ncp_set_error(NCP_ERR_INVALID_ARG, NULL, 0, NULL, NULL,
                            "cu_seqlens: this pack's plan tables (%" PRId64 " entries) must fit in int32", total);
     if (st == NCP_OK) {
         pw->runs = (ncp_run *)malloc((size_t)(n_runs > 0 ? n_runs : 1) * sizeof(ncp_run));
-        if (pw->runs == NULL) st = ncp_set_error(NCP_ERR_NOMEM, NULL, 0, NULL, NULL, "out of host memory building a Flint plan");
+        if (pw->runs == NULL) st = oom();
     }
     if (st == NCP_OK) {
         int32_t k = 0;
@@ -448,7 +457,7 @@ ncp_status ncp_plan_build(const int32_t *cu, int32_t n_cu, int32_t cp_size, int3
     plan->windows = (ncp_plan_window *)calloc((size_t)n_windows, sizeof(ncp_plan_window));
     runvec local = {0};
     if (st == NCP_OK && (!slots || !x.scratch || !x.iv || !plan->windows))
-        st = ncp_set_error(NCP_ERR_NOMEM, NULL, 0, NULL, NULL, "out of host memory building a Flint plan");
+        st = oom();
     if (st == NCP_OK) st = ncp_magi_dispatch(cu, n_cu, cp_size, x.chunk, x.T_pad, plan->owner.data);
     if (st == NCP_OK) {
         x.owner = plan->owner.data;
@@ -457,7 +466,7 @@ ncp_status ncp_plan_build(const int32_t *cu, int32_t n_cu, int32_t cp_size, int3
         for (int32_t c = 0; c < x.n_chunks; ++c) slots[c] = x.scratch[x.owner[c]]++;
         for (int32_t c = 0; c < x.n_chunks; ++c)
             if (x.owner[c] == cp_rank) run_push(&local, (int64_t)slots[c] * x.chunk, x.chunk, 1, (int64_t)c * x.chunk, 1);
-        if (local.failed) st = ncp_set_error(NCP_ERR_NOMEM, NULL, 0, NULL, NULL, "out of host memory building a Flint plan");
+        if (local.failed) st = oom();
         plan->local_runs = local.data;
         plan->n_local_runs = local.n;
         plan->n_windows = n_windows;
