@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from ..baselines import attention_flops, visible_pairs  # one FLOP convention, re-exported for tests
+
 __all__ = [
     "attention_flops",
     "doc_lengths",
@@ -60,23 +62,6 @@ def pack_documents(lengths: list[int], device="cpu") -> torch.Tensor:
     if lengths:
         cu[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0)
     return cu.to(device=device, dtype=torch.int32)
-
-
-def visible_pairs(lengths: list[int], window: int) -> int:
-    """Exact (query, key) pairs visible under per-document causal attention with a window."""
-    total = 0
-    for n in lengths:
-        if window <= 0 or n <= window:
-            total += n * (n + 1) // 2
-        else:
-            total += window * (window + 1) // 2 + (n - window) * window
-    return total
-
-
-def attention_flops(lengths: list[int], window: int, num_heads: int, head_dim: int, *, backward: bool = False) -> int:
-    """FLOPs convention of the project: 4 x visible pairs x Hq x D forward; backward 2.5x."""
-    fwd = 4 * visible_pairs(lengths, window) * num_heads * head_dim
-    return int(fwd * 2.5) if backward else fwd
 
 
 def make_attention_case(lengths, num_heads: int, num_kv_heads: int, head_dim: int, *, dtype=torch.bfloat16,
