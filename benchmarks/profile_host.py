@@ -54,7 +54,7 @@ def main() -> int:
         out, lse = A.attn_forward(q, k, v, s, mask, scale)
     dout = torch.randn_like(out)
     qd, kd, vd, sd = (t.detach() for t in (q, k, v, s))
-    ws_bytes = _C.sink_attn_bwd_workspace(Tq=T, Hq=hq, D=d, has_sink=1, deterministic=0, device=0)
+    ws_bytes = _C.sink_attn_bwd_workspace(Tq=T, Tk=T, Hq=hq, D=d, has_sink=1, deterministic=0, device=0)
     ws = torch.empty(((ws_bytes + 3) // 4,), dtype=torch.float32, device="cuda")
     dq, dk, dv, dsk = torch.empty_like(qd), torch.empty_like(kd), torch.empty_like(vd), torch.empty_like(sd)
     rows = {}
@@ -68,7 +68,7 @@ def main() -> int:
         rows["fwd: sink_attention (no grad)"] = under_spin(lambda: ncp.sink_attention(q, k, v, s, cu, window=w))
     rows["fwd: sink_attention (grad)"] = under_spin(lambda: ncp.sink_attention(q, k, v, s, cu, window=w))
     rows["bwd: 4 empty_like + workspace"] = under_spin(lambda: (torch.empty_like(qd), torch.empty_like(kd), torch.empty_like(vd), torch.empty_like(sd), torch.empty(((ws_bytes + 3) // 4,), dtype=torch.float32, device="cuda")))
-    rows["bwd: _C.sink_attn_bwd_workspace"] = under_spin(lambda: _C.sink_attn_bwd_workspace(Tq=T, Hq=hq, D=d, has_sink=1, deterministic=0, device=0))
+    rows["bwd: _C.sink_attn_bwd_workspace"] = under_spin(lambda: _C.sink_attn_bwd_workspace(Tq=T, Tk=T, Hq=hq, D=d, has_sink=1, deterministic=0, device=0))
     rows["bwd: backward_is_deterministic"] = under_spin(A.backward_is_deterministic)
     rows["bwd: _C.sink_attn_bwd alone"] = under_spin(
         lambda: _C.sink_attn_bwd(q=dl(qd), k=dl(kd), v=dl(vd), out=dl(out), lse=dl(lse), dout=dl(dout), dq=dl(dq), dk=dl(dk),

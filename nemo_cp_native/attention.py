@@ -84,8 +84,9 @@ def _bwd(dout, q, k, v, sink, out, lse, scale: float, mask: AttnMask):
     det = int(backward_is_deterministic())
     ws = None
     if q.device.type == "cuda":
-        nbytes = _C.sink_attn_bwd_workspace(Tq=q.shape[0], Hq=q.shape[1], D=q.shape[2], has_sink=int(sink is not None),
-                                            deterministic=det, device=q.device.index or 0)  # fmt: skip
+        nbytes = _C.sink_attn_bwd_workspace(Tq=q.shape[0], Tk=k.shape[0], Hq=q.shape[1], D=q.shape[2],
+                                            has_sink=int(sink is not None), deterministic=det,
+                                            device=q.device.index or 0)  # fmt: skip
         ws = torch.empty(((nbytes + 3) // 4,), dtype=torch.float32, device=q.device)
     _C.sink_attn_bwd(q=dl(q), k=dl(k), v=dl(v), out=dl(out), lse=dl(lse), dout=dl_named("dout", dout.contiguous()),
                      dq=dl(dq), dk=dl(dk), dv=dl(dv), sink=dl(sink), dsink=dl(dsink), workspace=dl(ws), scale=scale,

@@ -221,7 +221,7 @@ def test_cuda_poisoned_outputs_and_guards(ncp_seed, kernel):
     bufs = [guarded(t.shape, t.dtype, float("nan"), device=DEV) for t in (q, k, v)]
     sb = guarded((Hq,), torch.float32, float("nan"), device=DEV)
     det = int(kernel.endswith("-det"))
-    nbytes = _C.sink_attn_bwd_workspace(Tq=T, Hq=Hq, D=D, has_sink=1, deterministic=det, device=0)
+    nbytes = _C.sink_attn_bwd_workspace(Tq=T, Tk=T, Hq=Hq, D=D, has_sink=1, deterministic=det, device=0)
     wb = guarded(((nbytes + 3) // 4,), torch.float32, float("nan"), device=DEV, pad=256)
     _C.sink_attn_bwd(q=dl(q), k=dl(k), v=dl(v), sink=dl(s), out=dl(out), lse=dl(lse), dout=dl(dout), dq=dl(bufs[0][1]),
                      dk=dl(bufs[1][1]), dv=dl(bufs[2][1]), dsink=dl(sb[1]), workspace=dl(wb[1]), scale=D**-0.5,
@@ -280,6 +280,43 @@ def test_cuda_backward_is_deterministic(table, ncp_seed, kernel, monkeypatch):
         runs.append((out, lse) + tuple(attn_backward(dout, q, k, v, s, out, lse, mask, 0.09)))
     for a, b in zip(*runs):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("det", [0, 1])
+def test_cuda_backward_past_the_tile_order_cap_matches_a_shifted_problem(det, ncp_seed, monkeypatch):
+    """The Hopper backward grids take their tiles longest first up to 12288 tiles (launch.h,
+    kMaxOrderTiles) and in index order past it. A K/V buffer of 12289 key tiles whose rows see only
+    its last 1000 keys gives, bitwise, the gradients of the same rows against those keys alone
+    (shifted by a whole number of tiles, so every CTA sums in the same order), and zeros elsewhere."""
+    if not _hopper():
+        pytest.skip("needs the Hopper kernels (sm_90a build, compute capability 9.0)")
+    if det:
+        monkeypatch.setenv("NCP_DETERMINISTIC", "1")
+    else:
+        monkeypatch.delenv("NCP_DETERMINISTIC", raising=False)
+    g = torch.Generator().manual_seed(ncp_seed)
+    n_tail, tq, hq, d = 1024, 700, 2, 64
+    big = (12288 + 1) * 128
+    q, k_t, v_t, s, small, _ = _table_case(g, tq, n_tail, hq, 1, d)
+    k_b, v_b = (torch.zeros((big, 1, d), device=DEV, dtype=q.dtype) for _ in range(2))
+    k_b[-n_tail:], v_b[-n_tail:] = k_t, v_t
+    off = big - n_tail  # a multiple of 128
+    shifted = AttnMask(row_lo=small.row_lo + off, row_hi=torch.where(small.row_hi >= 0, small.row_hi + off, -1))
+    dout = torch.randn(q.shape, generator=g).to(DEV, q.dtype)
+    runs = []
+    for k, v, mask in ((k_t, v_t, small), (k_b, v_b, shifted)):
+        out, lse = attn_forward(q, k, v, s, mask, 0.11)
+        runs.append((out, lse) + tuple(attn_backward(dout, q, k, v, s, out, lse, mask, 0.11)))
+    a, b = runs
+    for name, x, y in zip(("out", "lse", "dq"), a[:3], b[:3]):
+        if name == "dq" and not det:  # atomic dq: the order of its additions varies
+            torch.testing.assert_close(x, y, rtol=1e-2, atol=1e-2)
+        else:
+            assert torch.equal(x, y), name
+    for name, x, y in zip(("dk", "dv"), a[3:5], b[3:5]):
+        assert torch.equal(x, y[-n_tail:]), name
+        assert not y[:-n_tail].any(), f"{name} of keys nobody sees"
+    assert torch.equal(a[5], b[5]), "dsink"
 
 
 @pytest.mark.parametrize("d,window", [(128, 0), (64, 513), (128, 100)])

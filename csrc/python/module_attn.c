@@ -8,7 +8,7 @@
  *   sink_attn_bwd(*, q, k, v, out, lse, dout, dq, dk, dv, sink=None, dsink=None, workspace=None,
  *                 scale, cu_seqlens=None, window=0, row_lo=None, row_hi=None, deterministic=0,
  *                 stream=None)
- *   sink_attn_bwd_workspace(*, Tq, Hq, D, has_sink, deterministic, device) -> bytes
+ *   sink_attn_bwd_workspace(*, Tq, Tk, Hq, D, has_sink, deterministic, device) -> bytes
  *   sink_attn_kernels(*, deterministic=0, device=0) -> (forward, backward) kernel names ("none" when
  *                 no GPU can run them)
  *   sink_attn_check_mask(*, Tq, Tk, cu_seqlens=None, row_lo=None, row_hi=None)   host data check
@@ -112,19 +112,19 @@ PyObject *ncp_py_sink_attn_bwd(PyObject *m, PyObject *const *args, Py_ssize_t na
     Py_RETURN_NONE;
 }
 
-static ncp_kwspec ws_spec = {"sink_attn_bwd_workspace", 6, 0x3f, {"Tq", "Hq", "D", "has_sink", "deterministic", "device"}, {0}};
+static ncp_kwspec ws_spec = {"sink_attn_bwd_workspace", 7, 0x7f, {"Tq", "Tk", "Hq", "D", "has_sink", "deterministic", "device"}, {0}};
 
 PyObject *ncp_py_sink_attn_bwd_workspace(PyObject *m, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     (void)m;
-    PyObject *v[6];
-    int32_t x[6];
+    PyObject *v[7];
+    int32_t x[7];
     if (ncp_py_kwargs(&ws_spec, args, nargs, kwnames, v) < 0) return NULL;
-    for (int i = 0; i < 6; ++i)
+    for (int i = 0; i < 7; ++i)
         if (ncp_py_i32(v[i], ws_spec.names[i], &x[i]) < 0) return NULL;
     int32_t prev = 0;
-    ncp_status st = ncp_py_cuda_enter(x[5], &prev);
+    ncp_status st = ncp_py_cuda_enter(x[6], &prev);
     if (st != NCP_OK) return ncp_py_raise(st);
-    const int64_t bytes = ncp_sink_attn_bwd_workspace(x[0], x[1], x[2], x[3], x[4]);
+    const int64_t bytes = ncp_sink_attn_bwd_workspace(x[0], x[1], x[2], x[3], x[4], x[5]);
     ncp_py_cuda_exit(prev);
     return PyLong_FromLongLong((long long)bytes);
 }

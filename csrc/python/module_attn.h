@@ -32,7 +32,7 @@ PyObject *ncp_py_runs_expand(PyObject *m, PyObject *const *args, Py_ssize_t narg
                   "sink_attn_bwd(*, q, k, v, out, lse, dout, dq, dk, dv, sink=None, dsink=None, workspace=None, "     \
                   "scale, cu_seqlens=None, window=0, row_lo=None, row_hi=None, deterministic=0, stream=None)."),     \
     NCP_KW_METHOD("sink_attn_bwd_workspace", ncp_py_sink_attn_bwd_workspace,                                         \
-                  "sink_attn_bwd_workspace(*, Tq, Hq, D, has_sink, deterministic, device) -> bytes of workspace "     \
+                  "sink_attn_bwd_workspace(*, Tq, Tk, Hq, D, has_sink, deterministic, device) -> bytes of workspace " \
                   "the CUDA backward needs on that device (0 without CUDA)."),                                       \
     NCP_KW_METHOD("sink_attn_kernels", ncp_py_sink_attn_kernels,                                                     \
                   "sink_attn_kernels(*, deterministic=0, device=0) -> (forward, backward) kernel names."),           \

@@ -6,9 +6,10 @@
  *
  *   forward   Hopper (sm90_fwd.cu) on compute capability 9.0 with an sm_90a build, else the
  *             portable mma.sync kernel (portable_fwd.cu)
- *   backward  pre-pass (Delta, dsink) always; then on Hopper the dK/dV kernel with dQ added
- *             atomically into an fp32 workspace (default) or the deterministic dK/dV + dQ pair;
- *             elsewhere the portable (deterministic) kernels
+ *   backward  pre-pass (Delta, dsink; on Hopper the grids' longest-first tile orders) always;
+ *             then on Hopper the dK/dV kernel with dQ added atomically into an fp32 workspace
+ *             (default) or the deterministic dK/dV + dQ pair; elsewhere the portable
+ *             (deterministic) kernels
  * The test hooks (ncp_attn_debug: portable kernels, persistent grid size, whole tiles) are one
  * struct set from Python and read once per call; no environment variable is read here.
  * Test: pytest tests/test_sink_attention_cuda.py
@@ -53,20 +54,41 @@ ncp_status choose(int deterministic, choice *c) {
     return NCP_OK;
 }
 
-/* Byte offsets of the backward workspace's parts (each 256-byte aligned) and its total. */
+/* Tiles of a longest-first order (launch.h): 0 (index order) past kMaxOrderTiles. */
+int32_t order_tiles(int32_t rows, int tile) {
+    const int64_t n = rows <= 0 ? 0 : ((int64_t)rows + tile - 1) / tile;
+    return n <= kMaxOrderTiles ? (int32_t)n : 0;
+}
+
+/* Byte offsets of the backward workspace's parts (each 256-byte aligned) and its total: Delta,
+ * dsink partials, the Hopper grids' tile work and orders (dK/dV always, dQ when deterministic),
+ * the atomic-dQ accumulator. */
 struct ws_layout {
-    int64_t delta, part, acc, total;
-    int32_t n_part;
+    int64_t delta, part, kv, q, acc, total;
+    int32_t n_part, n_kv, n_q;
 };
-ws_layout layout_of(int32_t Tq, int32_t Hq, int32_t D, bool has_sink, bool atomic_dq) {
+ws_layout layout_of(int32_t Tq, int32_t Tk, int32_t Hq, int32_t D, bool has_sink, const choice &c) {
     auto up = [](int64_t x) { return (x + 255) / 256 * 256; };
     ws_layout w;
     w.n_part = Tq <= 0 ? 1 : (int32_t)(((int64_t)Tq + kPreRows - 1) / kPreRows);
+    w.n_kv = c.sm90 ? order_tiles(Tk, kBwdKvTile) : 0;
+    w.n_q = c.sm90 && !c.atomic_dq ? order_tiles(Tq, kBwdQTile) : 0;
     w.delta = 0;
     w.part = up((int64_t)Hq * Tq * 4);
-    w.acc = w.part + (has_sink ? up((int64_t)Hq * w.n_part * 4) : 0);
-    w.total = w.acc + (atomic_dq ? (int64_t)Hq * ((Tq + 63) / 64) * 64 * D * 4 : 0);
+    w.kv = w.part + (has_sink ? up((int64_t)Hq * w.n_part * 4) : 0);
+    w.q = w.kv + up((int64_t)w.n_kv * 8);
+    w.acc = w.q + up((int64_t)w.n_q * 8);
+    w.total = w.acc + (c.atomic_dq ? (int64_t)Hq * ((Tq + 63) / 64) * 64 * D * 4 : 0);
     return w;
+}
+
+/* A grid's order carved at byte offset off: work, then order. */
+tile_order carve_order(char *base, int64_t off, int32_t n) {
+    tile_order o;
+    o.n = n;
+    o.work = n > 0 ? reinterpret_cast<int32_t *>(base + off) : nullptr;
+    o.order = n > 0 ? o.work + n : nullptr;
+    return o;
 }
 
 }  // namespace
@@ -96,11 +118,11 @@ extern "C" void ncp_sink_attn_kernels(int32_t deterministic, const char **fwd, c
     *bwd = c.sm90 ? (c.atomic_dq ? "sm90-atomic-dq" : "sm90-deterministic") : "portable";
 }
 
-extern "C" int64_t ncp_sink_attn_bwd_workspace(int32_t Tq, int32_t Hq, int32_t D, int32_t has_sink,
+extern "C" int64_t ncp_sink_attn_bwd_workspace(int32_t Tq, int32_t Tk, int32_t Hq, int32_t D, int32_t has_sink,
                                                int32_t deterministic) {
     ncp::choice c;
     if (ncp::choose(deterministic, &c) != NCP_OK) return 0;
-    return ncp::layout_of(Tq, Hq, D, has_sink != 0, c.atomic_dq).total;
+    return ncp::layout_of(Tq, Tk, Hq, D, has_sink != 0, c).total;
 }
 
 extern "C" ncp_status ncp_sink_attn_fwd_cuda(const ncp_sink_attn_params *p, void *stream) {
@@ -118,7 +140,7 @@ extern "C" ncp_status ncp_sink_attn_bwd_cuda(const ncp_sink_attn_bwd_params *b, 
     if (p.Tq == 0 && p.Tk == 0) return NCP_OK;
     ncp::choice c;
     NCP_TRY(ncp::choose(b->deterministic, &c));
-    const ncp::ws_layout w = ncp::layout_of(p.Tq, p.Hq, p.D, p.sink != nullptr, c.atomic_dq);
+    const ncp::ws_layout w = ncp::layout_of(p.Tq, p.Tk, p.Hq, p.D, p.sink != nullptr, c);
     NCP_ARG_CHECK(b->workspace != nullptr && b->workspace_bytes >= w.total,
                   "workspace must hold %lld bytes for this backward (ncp_sink_attn_bwd_workspace); got %lld",
                   (long long)w.total, (long long)b->workspace_bytes);
@@ -128,6 +150,8 @@ extern "C" ncp_status ncp_sink_attn_bwd_cuda(const ncp_sink_attn_bwd_params *b, 
     ws.dsink_part = p.sink != nullptr ? reinterpret_cast<float *>(base + w.part) : nullptr;
     ws.n_part = w.n_part;
     ws.dq_accum = c.atomic_dq && p.Tq > 0 ? reinterpret_cast<float *>(base + w.acc) : nullptr;
+    ws.kv = ncp::carve_order(base, w.kv, w.n_kv);
+    ws.q = ncp::carve_order(base, w.q, w.n_q);
     cudaStream_t s = (cudaStream_t)stream;
     NCP_TRY(ncp::attn_bwd_prepass(*b, ws, s));
     return c.sm90 ? ncp::attn_bwd_sm90(*b, ws, c.cfg, s) : ncp::attn_bwd_portable(*b, ws, s);

@@ -23,12 +23,34 @@ struct attn_config {
     int whole_tiles; /* test hook: no half tiles in the Hopper forward */
 };
 
+/* Longest-first orders of the Hopper backward grids. Under a causal, windowed or document mask
+ * the work of a dK/dV CTA (kBwdKvTile keys: the q tiles of kBwdKvStep rows that see them) and of a
+ * dQ CTA (kBwdQTile rows: the kv tiles of kBwdQStep keys they see) varies many-fold, and a grid of
+ * a few waves in index order ends on a tail of long CTAs. The pre-pass measures every tile's work,
+ * the order kernel ranks the tiles (most work first, ties by index) and the grid's CTA i takes the
+ * i-th tile, so the hardware's in-order dispatch to the first free SM is longest-processing-time-
+ * first list scheduling. Each ranking block keeps every tile's work in shared memory: grids of
+ * more than kMaxOrderTiles tiles (over 1.5M keys or rows, many waves, where the tail is small)
+ * run in index order. */
+constexpr int kBwdKvTile = 128, kBwdKvStep = 64, kBwdQTile = 128, kBwdQStep = 64;
+constexpr int kMaxOrderTiles = 12288;
+constexpr int kOrderThreads = 256;
+
+/* One grid's longest-first order (NULL pointers: index order). */
+struct tile_order {
+    int32_t *work;  /* (n,) work per tile, written by the pre-pass */
+    int32_t *order; /* (n,) order[i] = the tile with the i-th most work */
+    int32_t n;
+};
+
 /* The backward workspace, carved by the dispatcher out of the caller's buffer. */
 struct bwd_workspace {
     float *delta;      /* (Hq, Tq) rowsum(dO * O) */
     float *dsink_part; /* (Hq, n_part) dsink partial sums, or NULL without a sink */
     int32_t n_part;
     float *dq_accum;   /* atomic-dQ Hopper backward: (Hq, ceil(Tq / 64), D / 64, 64 x 64) fp32, else NULL */
+    tile_order kv;     /* Hopper dK/dV grid (key tiles) */
+    tile_order q;      /* Hopper deterministic dQ grid (query tiles) */
 };
 
 /* Rows per dsink partial sum in the backward pre-pass. */

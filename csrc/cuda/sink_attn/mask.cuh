@@ -10,7 +10,7 @@
  *   row(i, lo, hi)          bounds of row i, clamped to [0, Tk); rows past Tq: (kNoKey, -1)
  *   q_range(q0, bm, bn)     kv tiles of bn keys that rows [q0, q0 + bm) see, plus the facts of the
  *                           full-tile test (q_tile_range)
- *   rows_seeing(k0, k1)     the rows that see a key of [k0, k1]
+ *   rows_seeing(k0, k1)     the rows that see a key of [k0, k1] (q_tiles_seeing: as tiles)
  * Malformed inputs (cu_seqlens not monotone, tables out of range) give wrong values but never an
  * out-of-bounds index: every bound is clamped before use.
  */
@@ -129,6 +129,14 @@ template <class M> __device__ __forceinline__ q_tile_range q_range(const M &m, i
     r.kt_lo = lo_first / bn;
     r.kt_hi = hi_last >= lo_first ? hi_last / bn : r.kt_lo - 1;
     return r;
+}
+
+/* Tiles of bm rows that see a key of [k0, k1] (k0 <= k1 < Tk): first tile and count (0: none). */
+template <class M> __device__ __forceinline__ void q_tiles_seeing(const M &m, int k0, int k1, int bm, int &t0, int &n) {
+    int r0, r1;
+    m.rows_seeing(k0, k1, r0, r1);
+    t0 = r0 / bm;
+    n = r1 >= r0 ? r1 / bm - t0 + 1 : 0;
 }
 
 /* The policy of a call. */

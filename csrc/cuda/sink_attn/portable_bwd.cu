@@ -8,8 +8,9 @@
  *     dQ_i = s sum_j dS_ij k_j,  dK_j = s sum_i dS_ij q_i,  dV_j = sum_i P_ij dO_i
  *     dsink_h = -sum_i exp(sink_h - lse_i) D_i                 (the sink has a zero value vector)
  * Kernels, all deterministic (no atomics, fixed reduction orders):
- *   bwd_pre_kernel    D_i for every (row, head) and per-block dsink partial sums (the Delta pre-pass)
- *   dsink_reduce      dsink_h = ordered sum of the partials
+ *   bwd_pre_kernel    D_i for every (row, head) and per-block dsink partial sums (the Delta pre-pass);
+ *                     on Hopper also the work of every tile of the backward grids (launch.h)
+ *   bwd_order_kernel  dsink_h = ordered sum of the partials; the grids' longest-first tile orders
  *   bwd_dkdv_kernel   one CTA per (kv tile of 64 keys, kv head): loops over the G query heads of
  *                     the group and every q tile that sees the keys; computes S^T = K Q^T so that
  *                     P^T and dS^T are born in registers as A fragments of dV += P^T dO and
@@ -39,10 +40,30 @@ static_assert(QB == 16 * kWarps && KB == 16 * kWarps, "one m16 tile per warp");
 
 constexpr int kPreThreads = 256;
 
-template <typename T, int D>
+/* Work of every tile of the Hopper backward grids (ws.kv, ws.q; launch.h), blocks x of the extra
+ * row y = Hq of the pre-pass grid, grid-stride over the tiles. */
+template <class Mask> __device__ __forceinline__ void tile_work(const ncp_sink_attn_params &p, const bwd_workspace &ws) {
+    const Mask mask(p);
+    const int stride = gridDim.x * kPreThreads;
+    for (int t = blockIdx.x * kPreThreads + threadIdx.x; t < ws.kv.n; t += stride) {
+        int t0, n;
+        q_tiles_seeing(mask, t * kBwdKvTile, min((t + 1) * kBwdKvTile, p.Tk) - 1, kBwdKvStep, t0, n);
+        ws.kv.work[t] = n;
+    }
+    for (int t = blockIdx.x * kPreThreads + threadIdx.x; t < ws.q.n; t += stride) {
+        const q_tile_range r = q_range(mask, t * kBwdQTile, kBwdQTile, kBwdQStep);
+        ws.q.work[t] = max(0, r.kt_hi - r.kt_lo + 1);
+    }
+}
+
+template <typename T, int D, class Mask>
 __global__ void __launch_bounds__(kPreThreads) bwd_pre_kernel(const ncp_sink_attn_bwd_params b, const bwd_workspace ws) {
     constexpr int LPR = D / 8, RPW = 32 / LPR, kRows = kPreRows;
     const ncp_sink_attn_params &p = b.f;
+    if (blockIdx.y == p.Hq) {
+        tile_work<Mask>(p, ws);
+        return;
+    }
     const int h = blockIdx.y, r0 = blockIdx.x * kRows, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const bool has_sink = p.sink != nullptr;
     const float sink = has_sink ? __ldg(reinterpret_cast<const float *>(p.sink) + h) : 0.f;
@@ -82,8 +103,30 @@ __global__ void __launch_bounds__(kPreThreads) bwd_pre_kernel(const ncp_sink_att
     }
 }
 
-__global__ void dsink_reduce_kernel(const ncp_sink_attn_bwd_params b, const bwd_workspace ws) {
-    for (int h = blockIdx.x * blockDim.x + threadIdx.x; h < b.f.Hq; h += gridDim.x * blockDim.x) {
+/* Ranks tiles [blockIdx.x * kOrderThreads, + kOrderThreads) of one grid: order[#tiles with more
+ * work + #tiles before it with as much] = tile. Every block reads all n works into shared memory
+ * (n <= kMaxOrderTiles); the threads of a warp read the same word (a broadcast). */
+__device__ __forceinline__ void rank_tiles(const tile_order &o) {
+    __shared__ int32_t s_work[kMaxOrderTiles];
+    if (blockIdx.x * kOrderThreads >= o.n) return; /* uniform per block: before the barrier */
+    for (int j = threadIdx.x; j < o.n; j += kOrderThreads) s_work[j] = o.work[j];
+    __syncthreads();
+    const int t = blockIdx.x * kOrderThreads + threadIdx.x;
+    if (t >= o.n) return;
+    const int32_t w = s_work[t];
+    int pos = 0;
+    for (int j = 0; j < t; ++j) pos += s_work[j] >= w;
+    for (int j = t + 1; j < o.n; ++j) pos += s_work[j] > w;
+    o.order[pos] = t;
+}
+
+/* Row y = 0: dsink_h = the ordered sum of the partials (block x = 0); rows 1, 2: the dK/dV and dQ
+ * grids' longest-first orders. */
+__global__ void __launch_bounds__(kOrderThreads) bwd_order_kernel(const ncp_sink_attn_bwd_params b, const bwd_workspace ws) {
+    if (blockIdx.y == 1) return rank_tiles(ws.kv);
+    if (blockIdx.y == 2) return rank_tiles(ws.q);
+    if (blockIdx.x != 0 || b.dsink == nullptr) return;
+    for (int h = threadIdx.x; h < b.f.Hq; h += kOrderThreads) {
         float total = 0.f;
         for (int k = 0; k < ws.n_part; ++k) total += ws.dsink_part[(int64_t)h * ws.n_part + k];
         reinterpret_cast<float *>(b.dsink)[h] = total;
@@ -388,13 +431,17 @@ __global__ void __launch_bounds__(kThreads, 2) bwd_dq_kernel(const ncp_sink_attn
 /* launchers                                                                                 */
 /* ======================================================================================== */
 
-template <typename T, int D> ncp_status launch_prepass(const ncp_sink_attn_bwd_params &b, const bwd_workspace &ws,
-                                                       cudaStream_t s) {
+/* The pre-pass (plus one row of blocks for the tile work when the grids are ordered), then the
+ * order kernel when there is a dsink to sum or an order to rank. */
+template <typename T, int D, class Mask>
+ncp_status launch_prepass(const ncp_sink_attn_bwd_params &b, const bwd_workspace &ws, cudaStream_t s) {
     const ncp_sink_attn_params &p = b.f;
-    bwd_pre_kernel<T, D><<<dim3(ws.n_part, p.Hq), kPreThreads, 0, s>>>(b, ws);
+    const bool ordered = ws.kv.n > 0 || ws.q.n > 0;
+    bwd_pre_kernel<T, D, Mask><<<dim3(ws.n_part, p.Hq + (ordered ? 1 : 0)), kPreThreads, 0, s>>>(b, ws);
     NCP_CUDA_CHECK(cudaGetLastError());
-    if (p.sink != nullptr) {
-        dsink_reduce_kernel<<<(p.Hq + 127) / 128, 128, 0, s>>>(b, ws);
+    if (p.sink != nullptr || ordered) {
+        const int nb = (max(1, max(ws.kv.n, ws.q.n)) + kOrderThreads - 1) / kOrderThreads;
+        bwd_order_kernel<<<dim3(nb, 3), kOrderThreads, 0, s>>>(b, ws);
         NCP_CUDA_CHECK(cudaGetLastError());
     }
     return NCP_OK;
@@ -424,9 +471,11 @@ ncp_status launch(const ncp_sink_attn_bwd_params &b, const bwd_workspace &ws, cu
 }  // namespace
 
 ncp_status attn_bwd_prepass(const ncp_sink_attn_bwd_params &b, const bwd_workspace &ws, cudaStream_t s) {
-    const bool bf16 = b.f.dtype == NCP_DT_BF16;
-    if (b.f.D == 64) return bf16 ? launch_prepass<__nv_bfloat16, 64>(b, ws, s) : launch_prepass<__half, 64>(b, ws, s);
-    return bf16 ? launch_prepass<__nv_bfloat16, 128>(b, ws, s) : launch_prepass<__half, 128>(b, ws, s);
+    const bool bf16 = b.f.dtype == NCP_DT_BF16, table = b.f.mask.kind == NCP_MASK_TABLE;
+#define NCP_PRE(T, D) (table ? launch_prepass<T, D, TableMask>(b, ws, s) : launch_prepass<T, D, DocsMask>(b, ws, s))
+    if (b.f.D == 64) return bf16 ? NCP_PRE(__nv_bfloat16, 64) : NCP_PRE(__half, 64);
+    return bf16 ? NCP_PRE(__nv_bfloat16, 128) : NCP_PRE(__half, 128);
+#undef NCP_PRE
 }
 
 ncp_status attn_bwd_portable(const ncp_sink_attn_bwd_params &b, const bwd_workspace &ws, cudaStream_t s) {

@@ -10,6 +10,7 @@
  * dQ kernel: CTA = 128 query rows of one head (64 per consumer warpgroup), Q and dO stationary; it
  * walks the kv tiles of 64 keys the rows see (as the forward), streaming K and V:
  * S = Q K^T, dP = dO V^T, then dQ += dS K.
+ * Both grids take their tiles longest first (the pre-pass ranks them; launch.h).
  * Instantiations: dK/dV 2 modes x 2 dtypes x 2 head dims x 2 masks, dQ 2 x 2 x 2.
  * Test: pytest tests/test_sink_attention_cuda.py   Bench: python benchmarks/bench_sink_attention.py
  */
@@ -35,7 +36,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (threadIdx.x == 0) bar.init(2); /* a_full: the TMA thread and the lse/Delta warp */
     __syncthreads();
     const Mask mask(p);
-    const KvItems w(mask, blockIdx.x, blockIdx.y * KVB, p.Hq / p.Hkv);
+    const int kt = ws.kv.order != nullptr ? __ldg(ws.kv.order + blockIdx.y) : blockIdx.y; /* longest first */
+    const KvItems w(mask, blockIdx.x, kt * KVB, p.Hq / p.Hkv);
     const int wg = threadIdx.x / 128;
     if (wg == 0) {
         sm90::reg_dealloc<24>();
@@ -67,7 +69,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     const uint32_t sQ = base, sO = base + L::s1_off, sK0 = base + L::a_off, sV0 = base + L::b_off;
     const Bars bar{base + L::bar_off};
     const int tid = threadIdx.x, wg = tid / 128, lane = tid & 31;
-    const int h = blockIdx.x, g_kv = h / (p.Hq / p.Hkv), q0 = (gridDim.y - 1 - blockIdx.y) * QQB;
+    const int qt = ws.q.order != nullptr ? __ldg(ws.q.order + blockIdx.y) : gridDim.y - 1 - blockIdx.y;
+    const int h = blockIdx.x, g_kv = h / (p.Hq / p.Hkv), q0 = qt * QQB; /* longest first (launch.h) */
     if (tid == 0) bar.init(1);
     __syncthreads();
     const Mask mask(p);

@@ -28,6 +28,8 @@ constexpr int KQB = 64;       /* dK/dV kernel: q rows per streamed tile */
 constexpr int QQB = 128;      /* dQ kernel: q rows per CTA */
 constexpr int QKB = 64;       /* dQ kernel: keys per streamed tile */
 constexpr int kDsBar = 3;     /* named barrier: both warpgroups' dS^T stored (atomic-dQ kernel) */
+static_assert(KVB == kBwdKvTile && KQB == kBwdKvStep && QQB == kBwdQTile && QKB == kBwdQStep,
+              "the pre-pass measures the grids' tile work with the tiles of launch.h");
 using Ring = sm90::Ring<kStages>;
 
 /* Two stationary tiles of SR rows, kStages x two streamed tiles of TR rows, with DS (atomic-dQ
@@ -74,10 +76,7 @@ struct KvItems {
     int g_kv, k0, G, qt_lo, n_q, n_it;
     template <class Mask> __device__ __forceinline__ KvItems(const Mask &mask, int g_kv_, int k0_, int G_)
         : g_kv(g_kv_), k0(k0_), G(G_) {
-        int r0, r1;
-        mask.rows_seeing(k0, min(k0 + KVB, mask.Tk) - 1, r0, r1);
-        qt_lo = r0 / KQB;
-        n_q = r1 >= r0 ? r1 / KQB - qt_lo + 1 : 0;
+        q_tiles_seeing(mask, k0, min(k0 + KVB, mask.Tk) - 1, KQB, qt_lo, n_q);
         n_it = n_q * G;
     }
     __device__ __forceinline__ int head(int it) const { return g_kv * G + it / n_q; }

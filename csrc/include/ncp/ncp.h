@@ -257,8 +257,10 @@ ncp_status ncp_sink_attn_fwd_cuda(const ncp_sink_attn_params *p, void *stream);
 ncp_status ncp_sink_attn_bwd_cuda(const ncp_sink_attn_bwd_params *p, void *stream);
 
 /* Bytes of workspace the CUDA backward needs on the current device for these sizes (0 on a build
- * without CUDA); the dispatcher alone decides, so callers never size buffers by kernel. */
-int64_t ncp_sink_attn_bwd_workspace(int32_t Tq, int32_t Hq, int32_t D, int32_t has_sink, int32_t deterministic);
+ * without CUDA); the dispatcher alone decides, so callers never size buffers by kernel. Tq and Tk
+ * are the query rows and keys of the call (Tk sizes the Hopper kernels' longest-first tile order). */
+int64_t ncp_sink_attn_bwd_workspace(int32_t Tq, int32_t Tk, int32_t Hq, int32_t D, int32_t has_sink,
+                                    int32_t deterministic);
 
 /* Names of the kernels a call on the current device runs: forward and backward, e.g. "sm90" and
  * "sm90-atomic-dq", "sm90-deterministic", "portable"; "none" without a CUDA build. */
