@@ -10,7 +10,8 @@
 #   OUT=/tmp/out NCP_COMMIT=<sha> bash benchmarks/gpu_run.sh [stage ...]
 # Set NCP_COMMIT from the machine that holds the repository: the device tool's copy of .git can be
 # stale, so `git rev-parse` run there may name an older commit than the tree it copied.
-# stages: build baseline test sanitize probe profile kernels attn ab host mimo flint demo all (default: all; probe: the
+# stages: build baseline test sanitize probe profile kernels attn ab order host mimo flint demo all (default: all; order:
+# bench_bwd_order.py, atomic and deterministic, ORDER_ARGS; probe: the
 # racecheck mbarrier probe, profile: Nsight Compute on named kernels, PROF_RUNS, PROF_ENV;
 # neither is part of all; baseline builds the tree in .baseline/ (carry it: an older commit's source,
 # e.g. `git archive c355efb csrc nemo_cp_native setup.py pyproject.toml | tar -x -C .baseline`) beside
@@ -117,6 +118,13 @@ fi
 if [[ " $STAGES " == *" ab "* ]]; then
   timeout ${AB_TIMEOUT:-500} $PY benchmarks/ab_attention.py --a .baseline --b . ${AB_ARGS:-} --json "$OUT/ab_attn.json" >> "$SUM" 2>&1
   note "ab_attention (A = .baseline, B = this tree) exit $?"
+fi
+
+if [[ " $STAGES " == *" order "* ]]; then  # only when named: the backward's tile orders (bench_bwd_order.py)
+  $PY benchmarks/bench_bwd_order.py ${ORDER_ARGS:-} --json "$OUT/bench_order.json" >> "$SUM" 2>&1
+  note "bench_bwd_order exit $?"
+  $PY benchmarks/bench_bwd_order.py --det ${ORDER_ARGS:-} --json "$OUT/bench_order_det.json" >> "$SUM" 2>&1
+  note "bench_bwd_order --det exit $?"
 fi
 
 if want host; then

@@ -282,41 +282,39 @@ def test_cuda_backward_is_deterministic(table, ncp_seed, kernel, monkeypatch):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("det", [0, 1])
-def test_cuda_backward_past_the_tile_order_cap_matches_a_shifted_problem(det, ncp_seed, monkeypatch):
-    """The Hopper backward grids take their tiles longest first up to 12288 tiles (launch.h,
-    kMaxOrderTiles) and in index order past it. A K/V buffer of 12289 key tiles whose rows see only
-    its last 1000 keys gives, bitwise, the gradients of the same rows against those keys alone
-    (shifted by a whole number of tiles, so every CTA sums in the same order), and zeros elsewhere."""
+@pytest.mark.parametrize("table", [False, True])
+def test_cuda_backward_tile_orders_change_no_bit(table, ncp_seed, monkeypatch):
+    """The Hopper backward grids take their tiles longest first within chunks of waves (launch.h).
+    Any order gives the same gradients: bitwise in the deterministic mode (every CTA sums in its own
+    fixed order), and dk, dv, dsink bitwise with dq within rounding in the atomic-dQ mode. Orders:
+    index order, the default, one-wave chunks, the whole grid as one chunk."""
     if not _hopper():
         pytest.skip("needs the Hopper kernels (sm_90a build, compute capability 9.0)")
-    if det:
-        monkeypatch.setenv("NCP_DETERMINISTIC", "1")
-    else:
-        monkeypatch.delenv("NCP_DETERMINISTIC", raising=False)
     g = torch.Generator().manual_seed(ncp_seed)
-    n_tail, tq, hq, d = 1024, 700, 2, 64
-    big = (12288 + 1) * 128
-    q, k_t, v_t, s, small, _ = _table_case(g, tq, n_tail, hq, 1, d)
-    k_b, v_b = (torch.zeros((big, 1, d), device=DEV, dtype=q.dtype) for _ in range(2))
-    k_b[-n_tail:], v_b[-n_tail:] = k_t, v_t
-    off = big - n_tail  # a multiple of 128
-    shifted = AttnMask(row_lo=small.row_lo + off, row_hi=torch.where(small.row_hi >= 0, small.row_hi + off, -1))
+    if table:
+        q, k, v, s, mask, _ = _table_case(g, 3000, 2600, 16, 2, 128, empty_tiles=(3,))
+    else:
+        c = make_attention_case([2000, 37, 900, 129, 3000, 1], 16, 2, 128, device=DEV, generator=g)
+        q, k, v, s, mask = c["q"], c["k"], c["v"], c["sink"], AttnMask(cu_seqlens=c["cu_seqlens"])
     dout = torch.randn(q.shape, generator=g).to(DEV, q.dtype)
-    runs = []
-    for k, v, mask in ((k_t, v_t, small), (k_b, v_b, shifted)):
-        out, lse = attn_forward(q, k, v, s, mask, 0.11)
-        runs.append((out, lse) + tuple(attn_backward(dout, q, k, v, s, out, lse, mask, 0.11)))
-    a, b = runs
-    for name, x, y in zip(("out", "lse", "dq"), a[:3], b[:3]):
-        if name == "dq" and not det:  # atomic dq: the order of its additions varies
-            torch.testing.assert_close(x, y, rtol=1e-2, atol=1e-2)
-        else:
-            assert torch.equal(x, y), name
-    for name, x, y in zip(("dk", "dv"), a[3:5], b[3:5]):
-        assert torch.equal(x, y[-n_tail:]), name
-        assert not y[:-n_tail].any(), f"{name} of keys nobody sees"
-    assert torch.equal(a[5], b[5]), "dsink"
+    out, lse = attn_forward(q, k, v, s, mask, 0.09)
+    for det in (1, 0):
+        monkeypatch.setenv("NCP_DETERMINISTIC", str(det))
+        runs = []
+        for waves in (-1, 0, 1, 1 << 20):
+            with attn_debug(order_waves=waves):
+                runs.append(attn_backward(dout, q, k, v, s, out, lse, mask, 0.09))
+        for run in runs[1:]:
+            for name, a_, b_ in zip(("dq", "dk", "dv", "dsink"), runs[0], run):
+                if name == "dq" and not det:
+                    torch.testing.assert_close(a_, b_, rtol=1e-2, atol=1e-2)
+                else:
+                    assert torch.equal(a_, b_), f"{name} (deterministic={det})"
+
+
+def test_cuda_order_waves_hook_checks_its_value():
+    with pytest.raises(ValueError, match="order_waves must be >= -1"):
+        _C.attn_debug(order_waves=-2)
 
 
 @pytest.mark.parametrize("d,window", [(128, 0), (64, 513), (128, 100)])

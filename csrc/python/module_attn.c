@@ -12,8 +12,8 @@
  *   sink_attn_kernels(*, deterministic=0, device=0) -> (forward, backward) kernel names ("none" when
  *                 no GPU can run them)
  *   sink_attn_check_mask(*, Tq, Tk, cu_seqlens=None, row_lo=None, row_hi=None)   host data check
- *   attn_debug(*, portable=None, grid=None, whole_tiles=None) -> the previous (portable, grid,
- *                 whole_tiles); test hooks of the dispatcher
+ *   attn_debug(*, portable=None, grid=None, whole_tiles=None, order_waves=None) -> the previous
+ *                 (portable, grid, whole_tiles, order_waves); test hooks of the dispatcher
  * Every tensor fact is checked once, by the core validator (csrc/core/attn_args.c).
  *   magi_geometry, magi_dispatch, plan_build (host only).
  */
@@ -189,23 +189,29 @@ PyObject *ncp_py_sink_attn_check_mask(PyObject *m, PyObject *const *args, Py_ssi
     Py_RETURN_NONE;
 }
 
-static ncp_kwspec dbg_spec = {"attn_debug", 3, 0, {"portable", "grid", "whole_tiles"}, {0}};
+static ncp_kwspec dbg_spec = {"attn_debug", 4, 0, {"portable", "grid", "whole_tiles", "order_waves"}, {0}};
 
 PyObject *ncp_py_attn_debug(PyObject *m, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     (void)m;
-    PyObject *v[3];
+    PyObject *v[4];
     if (ncp_py_kwargs(&dbg_spec, args, nargs, kwnames, v) < 0) return NULL;
     const ncp_attn_debug prev = ncp_attn_debug_get();
     ncp_attn_debug d = prev;
-    int32_t *fields[3] = {&d.portable, &d.grid, &d.whole_tiles};
-    for (int i = 0; i < 3; ++i)
+    int32_t *fields[4] = {&d.portable, &d.grid, &d.whole_tiles, &d.order_waves};
+    for (int i = 0; i < 4; ++i)
         if (v[i] != NULL && v[i] != Py_None && ncp_py_i32(v[i], dbg_spec.names[i], fields[i]) < 0) return NULL;
     if (d.grid < 0) {
         PyErr_Format(PyExc_ValueError, "grid must be >= 0 (0: one CTA per SM); got %d", (int)d.grid);
         return NULL;
     }
+    if (d.order_waves < -1) {
+        PyErr_Format(PyExc_ValueError,
+                     "order_waves must be >= -1 (0: the default, -1: index order, k > 0: chunks of k waves); got %d",
+                     (int)d.order_waves);
+        return NULL;
+    }
     ncp_attn_debug_set(&d);
-    return Py_BuildValue("(iii)", (int)prev.portable, (int)prev.grid, (int)prev.whole_tiles);
+    return Py_BuildValue("(iiii)", (int)prev.portable, (int)prev.grid, (int)prev.whole_tiles, (int)prev.order_waves);
 }
 
 /* ======================================================================================== */

@@ -40,8 +40,8 @@ PyObject *ncp_py_runs_expand(PyObject *m, PyObject *const *args, Py_ssize_t narg
                   "sink_attn_check_mask(*, Tq, Tk, cu_seqlens=None, row_lo=None, row_hi=None): host check of the "   \
                   "mask data."),                                                                                     \
     NCP_KW_METHOD("attn_debug", ncp_py_attn_debug,                                                                   \
-                  "attn_debug(*, portable=None, grid=None, whole_tiles=None) -> previous (portable, grid, "          \
-                  "whole_tiles): test hooks of the attention dispatcher."),                                          \
+                  "attn_debug(*, portable=None, grid=None, whole_tiles=None, order_waves=None) -> previous "         \
+                  "(portable, grid, whole_tiles, order_waves): test hooks of the attention dispatcher."),            \
     NCP_KW_METHOD("kv_gather", ncp_py_kv_gather,                                                                     \
                   "kv_gather(*, a, b, idx, out, stream=None): out[j] = [a[idx[j]] | b[idx[j]]] (CP rank step)."),     \
     NCP_KW_METHOD("kv_assemble", ncp_py_kv_assemble,                                                                 \

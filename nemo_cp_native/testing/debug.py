@@ -3,6 +3,8 @@
     with attn_debug(portable=True):        # the portable mma.sync kernels on any GPU
     with attn_debug(grid=5):               # the persistent Hopper forward on 5 CTAs
     with attn_debug(whole_tiles=True):     # no half tiles in the Hopper forward (same bits)
+    with attn_debug(order_waves=-1):       # the Hopper backward grids in index order (0: default
+                                           # longest-first order, k > 0: within chunks of k waves)
 
 The hooks are one struct in the extension, read once per call; they are process-global, so do
 not use them from several threads at once.
@@ -19,9 +21,12 @@ __all__ = ["attn_debug", "kernels"]
 
 
 @contextlib.contextmanager
-def attn_debug(*, portable: Optional[bool] = None, grid: Optional[int] = None, whole_tiles: Optional[bool] = None):
+def attn_debug(*, portable: Optional[bool] = None, grid: Optional[int] = None, whole_tiles: Optional[bool] = None,
+               order_waves: Optional[int] = None):  # fmt: skip
     """Sets the given hooks for the block and restores the previous ones after it."""
     args = {}
+    if order_waves is not None:
+        args["order_waves"] = int(order_waves)
     if portable is not None:
         args["portable"] = int(bool(portable))
     if grid is not None:
@@ -32,7 +37,7 @@ def attn_debug(*, portable: Optional[bool] = None, grid: Optional[int] = None, w
     try:
         yield
     finally:
-        _C.attn_debug(portable=prev[0], grid=prev[1], whole_tiles=prev[2])
+        _C.attn_debug(portable=prev[0], grid=prev[1], whole_tiles=prev[2], order_waves=prev[3])
 
 
 def kernels(deterministic: bool = False, device: int = 0) -> tuple[str, str]:

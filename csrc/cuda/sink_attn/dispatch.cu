@@ -10,7 +10,8 @@
  *             then on Hopper the dK/dV kernel with dQ added atomically into an fp32 workspace
  *             (default) or the deterministic dK/dV + dQ pair; elsewhere the portable
  *             (deterministic) kernels
- * The test hooks (ncp_attn_debug: portable kernels, persistent grid size, whole tiles) are one
+ * The test hooks (ncp_attn_debug: portable kernels, persistent grid size, whole tiles, backward
+ * orders) are one
  * struct set from Python and read once per call; no environment variable is read here.
  * Test: pytest tests/test_sink_attention_cuda.py
  */
@@ -23,7 +24,7 @@
 namespace ncp {
 namespace {
 
-std::atomic<int> g_portable{0}, g_grid{0}, g_whole_tiles{0};
+std::atomic<int> g_portable{0}, g_grid{0}, g_whole_tiles{0}, g_order_waves{0};
 
 int sm_count(int dev) {
     static int cached[kMaxDevices];
@@ -49,16 +50,13 @@ ncp_status choose(int deterministic, choice *c) {
     c->cfg.sm_count = sm_count(dev);
     c->cfg.grid = d.grid;
     c->cfg.whole_tiles = d.whole_tiles;
+    c->cfg.order_waves = d.order_waves == 0 ? kOrderWaves : d.order_waves;
     c->sm90 = !d.portable && ncp_sm90_usable();
     c->atomic_dq = c->sm90 && !deterministic;
     return NCP_OK;
 }
 
-/* Tiles of a longest-first order (launch.h): 0 (index order) past kMaxOrderTiles. */
-int32_t order_tiles(int32_t rows, int tile) {
-    const int64_t n = rows <= 0 ? 0 : ((int64_t)rows + tile - 1) / tile;
-    return n <= kMaxOrderTiles ? (int32_t)n : 0;
-}
+int32_t tiles_of(int32_t rows, int tile) { return rows <= 0 ? 0 : (int32_t)(((int64_t)rows + tile - 1) / tile); }
 
 /* Byte offsets of the backward workspace's parts (each 256-byte aligned) and its total: Delta,
  * dsink partials, the Hopper grids' tile work and orders (dK/dV always, dQ when deterministic),
@@ -71,8 +69,8 @@ ws_layout layout_of(int32_t Tq, int32_t Tk, int32_t Hq, int32_t D, bool has_sink
     auto up = [](int64_t x) { return (x + 255) / 256 * 256; };
     ws_layout w;
     w.n_part = Tq <= 0 ? 1 : (int32_t)(((int64_t)Tq + kPreRows - 1) / kPreRows);
-    w.n_kv = c.sm90 ? order_tiles(Tk, kBwdKvTile) : 0;
-    w.n_q = c.sm90 && !c.atomic_dq ? order_tiles(Tq, kBwdQTile) : 0;
+    w.n_kv = c.sm90 ? tiles_of(Tk, kBwdKvTile) : 0;
+    w.n_q = c.sm90 && !c.atomic_dq ? tiles_of(Tq, kBwdQTile) : 0;
     w.delta = 0;
     w.part = up((int64_t)Hq * Tq * 4);
     w.kv = w.part + (has_sink ? up((int64_t)Hq * w.n_part * 4) : 0);
@@ -82,12 +80,16 @@ ws_layout layout_of(int32_t Tq, int32_t Tk, int32_t Hq, int32_t D, bool has_sink
     return w;
 }
 
-/* A grid's order carved at byte offset off: work, then order. */
-tile_order carve_order(char *base, int64_t off, int32_t n) {
+/* The order of a grid of n tiles x `heads` CTAs, carved at byte offset off (work, then order);
+ * none (index order) when the hook asks for it. */
+tile_order carve_order(char *base, int64_t off, int32_t n, int32_t heads, const attn_config &cfg) {
     tile_order o;
-    o.n = n;
-    o.work = n > 0 ? reinterpret_cast<int32_t *>(base + off) : nullptr;
-    o.order = n > 0 ? o.work + n : nullptr;
+    const bool on = n > 0 && cfg.order_waves > 0;
+    o.n = on ? n : 0;
+    o.work = on ? reinterpret_cast<int32_t *>(base + off) : nullptr;
+    o.order = on ? o.work + n : nullptr;
+    const int64_t chunk = (int64_t)cfg.order_waves * (cfg.sm_count > 0 ? cfg.sm_count : 1) / (heads > 0 ? heads : 1);
+    o.chunk = (int32_t)(chunk < 1 ? 1 : (chunk > n ? (n > 0 ? n : 1) : chunk));
     return o;
 }
 
@@ -98,6 +100,7 @@ extern "C" void ncp_attn_debug_set(const ncp_attn_debug *d) {
     ncp::g_portable = d->portable;
     ncp::g_grid = d->grid;
     ncp::g_whole_tiles = d->whole_tiles;
+    ncp::g_order_waves = d->order_waves;
 }
 
 extern "C" ncp_attn_debug ncp_attn_debug_get(void) {
@@ -105,6 +108,7 @@ extern "C" ncp_attn_debug ncp_attn_debug_get(void) {
     d.portable = ncp::g_portable;
     d.grid = ncp::g_grid;
     d.whole_tiles = ncp::g_whole_tiles;
+    d.order_waves = ncp::g_order_waves;
     return d;
 }
 
@@ -150,8 +154,8 @@ extern "C" ncp_status ncp_sink_attn_bwd_cuda(const ncp_sink_attn_bwd_params *b, 
     ws.dsink_part = p.sink != nullptr ? reinterpret_cast<float *>(base + w.part) : nullptr;
     ws.n_part = w.n_part;
     ws.dq_accum = c.atomic_dq && p.Tq > 0 ? reinterpret_cast<float *>(base + w.acc) : nullptr;
-    ws.kv = ncp::carve_order(base, w.kv, w.n_kv);
-    ws.q = ncp::carve_order(base, w.q, w.n_q);
+    ws.kv = ncp::carve_order(base, w.kv, w.n_kv, p.Hkv, c.cfg);
+    ws.q = ncp::carve_order(base, w.q, w.n_q, p.Hq, c.cfg);
     cudaStream_t s = (cudaStream_t)stream;
     NCP_TRY(ncp::attn_bwd_prepass(*b, ws, s));
     return c.sm90 ? ncp::attn_bwd_sm90(*b, ws, c.cfg, s) : ncp::attn_bwd_portable(*b, ws, s);

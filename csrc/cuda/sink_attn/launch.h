@@ -21,6 +21,7 @@ struct attn_config {
     int sm_count;    /* its multiprocessors: the persistent grid */
     int grid;        /* test hook: cap of the persistent grid (0: sm_count) */
     int whole_tiles; /* test hook: no half tiles in the Hopper forward */
+    int order_waves; /* Hopper backward orders: waves per chunk, or -1: index order */
 };
 
 /* Longest-first orders of the Hopper backward grids. Under a causal, windowed or document mask
@@ -29,18 +30,21 @@ struct attn_config {
  * a few waves in index order ends on a tail of long CTAs. The pre-pass measures every tile's work,
  * the order kernel ranks the tiles (most work first, ties by index) and the grid's CTA i takes the
  * i-th tile, so the hardware's in-order dispatch to the first free SM is longest-processing-time-
- * first list scheduling. Each ranking block keeps every tile's work in shared memory: grids of
- * more than kMaxOrderTiles tiles (over 1.5M keys or rows, many waves, where the tail is small)
- * run in index order. */
+ * first list scheduling. Ordering a whole large grid that way would run the same position of
+ * every document at once and lose the L2 reuse of index order (CTAs of neighbouring key tiles
+ * read the same Q and dO tiles and add into the same dQ tiles), so the tiles are ranked within
+ * consecutive chunks of kOrderWaves waves: the last chunk, the tail, is longest first, and the
+ * CTAs in flight stay within a few documents. */
 constexpr int kBwdKvTile = 128, kBwdKvStep = 64, kBwdQTile = 128, kBwdQStep = 64;
-constexpr int kMaxOrderTiles = 12288;
+constexpr int kOrderWaves = 2;
 constexpr int kOrderThreads = 256;
 
 /* One grid's longest-first order (NULL pointers: index order). */
 struct tile_order {
     int32_t *work;  /* (n,) work per tile, written by the pre-pass */
-    int32_t *order; /* (n,) order[i] = the tile with the i-th most work */
-    int32_t n;
+    int32_t *order; /* (n,) order[i] = the tile with the i-th most work of i's chunk */
+    int32_t n;      /* tiles */
+    int32_t chunk;  /* tiles per chunk (>= 1) */
 };
 
 /* The backward workspace, carved by the dispatcher out of the caller's buffer. */

@@ -103,20 +103,16 @@ __global__ void __launch_bounds__(kPreThreads) bwd_pre_kernel(const ncp_sink_att
     }
 }
 
-/* Ranks tiles [blockIdx.x * kOrderThreads, + kOrderThreads) of one grid: order[#tiles with more
- * work + #tiles before it with as much] = tile. Every block reads all n works into shared memory
- * (n <= kMaxOrderTiles); the threads of a warp read the same word (a broadcast). */
+/* Ranks tile t of one grid within its chunk [c0, c1): order[c0 + #tiles of the chunk with more
+ * work + #tiles before t with as much] = t (the threads of a chunk read the same words). */
 __device__ __forceinline__ void rank_tiles(const tile_order &o) {
-    __shared__ int32_t s_work[kMaxOrderTiles];
-    if (blockIdx.x * kOrderThreads >= o.n) return; /* uniform per block: before the barrier */
-    for (int j = threadIdx.x; j < o.n; j += kOrderThreads) s_work[j] = o.work[j];
-    __syncthreads();
     const int t = blockIdx.x * kOrderThreads + threadIdx.x;
     if (t >= o.n) return;
-    const int32_t w = s_work[t];
-    int pos = 0;
-    for (int j = 0; j < t; ++j) pos += s_work[j] >= w;
-    for (int j = t + 1; j < o.n; ++j) pos += s_work[j] > w;
+    const int c0 = t / o.chunk * o.chunk, c1 = min(c0 + o.chunk, o.n);
+    const int32_t w = o.work[t];
+    int pos = c0;
+    for (int j = c0; j < t; ++j) pos += o.work[j] >= w;
+    for (int j = t + 1; j < c1; ++j) pos += o.work[j] > w;
     o.order[pos] = t;
 }
 

@@ -269,11 +269,14 @@ void ncp_sink_attn_kernels(int32_t deterministic, const char **fwd, const char *
 /* Test hooks, one struct read once per call by the dispatcher (never environment variables):
  * portable = 1 runs the portable mma.sync kernels on any GPU; grid > 0 caps the persistent Hopper
  * forward at that many CTAs (a value >= the work items gives one CTA per item); whole_tiles = 1
- * turns the Hopper forward's half tiles off (the same bits). */
+ * turns the Hopper forward's half tiles off (the same bits); order_waves sets the Hopper backward
+ * grids' longest-first orders (0: the default, -1: index order, k > 0: longest first within
+ * chunks of k waves; every order gives the same bits in the deterministic mode). */
 typedef struct {
     int32_t portable;
     int32_t grid;
     int32_t whole_tiles;
+    int32_t order_waves;
 } ncp_attn_debug;
 void ncp_attn_debug_set(const ncp_attn_debug *d);
 ncp_attn_debug ncp_attn_debug_get(void);
