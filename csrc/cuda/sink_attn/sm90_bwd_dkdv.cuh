@@ -36,10 +36,10 @@ template <typename T, int D, bool ADQ, class Mask> struct DkdvConsumer {
     float dk[D / 2], dv[D / 2];
 
     __device__ __forceinline__ DkdvConsumer(const ncp_sink_attn_params &p_, const Mask &m, const KvItems &w_, Bars bar_,
-                                            uint32_t base_, const float *l2, const float *dl, int cw_)
+                                            uint32_t base_, const float *l2, const float *dl, const uint16_t *kb, int cw_)
         : p(p_), mask(m), w(w_), bar(bar_), base(base_), s_l2(l2), s_dl(dl), cw(cw_), warp((threadIdx.x & 127) >> 5),
           lane(threadIdx.x & 31), tq(lane & 3), krow0(64 * cw_ + 16 * warp + (lane >> 2)),
-          scale_log2((float)p_.scale * kLog2e), vis(m, w_.k0 + krow0) {
+          scale_log2((float)p_.scale * kLog2e), vis(m, w_.k0, krow0, kb) {
 #pragma unroll
         for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.f;
     }
@@ -92,7 +92,8 @@ template <typename T, int D, bool ADQ, class Mask> struct DkdvConsumer {
                     const int q = q0 + 8 * j + 2 * tq + c;
 #pragma unroll
                     for (int r = 0; r < 2; ++r)
-                        if (!vis(q, r)) st[4 * j + 2 * r + c] = dpt[4 * j + 2 * r + c] = 0.f; /* hidden inf/nan too */
+                        if (!vis(s, 8 * j + 2 * tq + c, q, r))
+                            st[4 * j + 2 * r + c] = dpt[4 * j + 2 * r + c] = 0.f; /* hidden inf/nan too */
                 }
         }
     }
