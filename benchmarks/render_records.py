@@ -18,7 +18,7 @@ bench_mimo_shard.py), ``flint`` (one or more runs of bench_flint.py).
     # check that the page matches its sources (tests/test_records.py runs this)
     python benchmarks/render_records.py --check
 
-``--import DIR`` takes ``bench_attn.json``, ``bench_mimo.json``, ``bench_flint.json`` and ``bench_host.json`` from DIR,
+``--import DIR`` takes ``bench_{attn,mimo,flint,host,order,order_det}.json`` from DIR,
 stores them as ``benchmarks/results/<date>_<commit>_<kind>.json``, points the ``attn`` and
 ``attn-extra`` blocks at the new attention file, and replaces the ``mimo``/``flint`` source of the
 same machine kind (GPU or CPU). ``--prune`` deletes the files under benchmarks/results/ that the
@@ -379,8 +379,31 @@ def render_host(paths: list[str]) -> str:
     return "\n".join(out)
 
 
+def render_order(paths: list[str]) -> str:
+    """benchmarks/bench_bwd_order.py: the backward's tile orders round robin in one process; one
+    file per backward mode (atomic dQ, deterministic), one table."""
+    runs = [_read(p) for p in paths]
+    rows0 = runs[0]["rows"]
+    orders = [k[: -len(" bwd TFLOP/s")] for k in rows0[0] if k.endswith(" bwd TFLOP/s")]
+    modes = " / ".join(d["rows"][0]["backward"] for d in runs)
+    out = [f"Backward TFLOP/s, {modes}; in parentheses the time of index order over the time of that order:", "",
+           "| case | " + " | ".join(orders) + " |", "|---|" + "---:|" * len(orders)]  # fmt: skip
+    for i, r in enumerate(rows0):
+        cells = []
+        for o in orders:
+            parts = []
+            for d in runs:
+                x = d["rows"][i]
+                ratio = next((v for k, v in x.items() if k.startswith(f"{o} / ")), None)
+                parts.append(f"{x[f'{o} bwd TFLOP/s']}" + (f" ({ratio})" if ratio is not None else ""))
+            cells.append(" / ".join(parts))
+        out.append(f"| {r['case']} | " + " | ".join(cells) + " |")
+    out += [""] + [source_line(p, d["env"], True) for p, d in zip(paths, runs)]
+    return "\n".join(out)
+
+
 RENDER = {"attn": render_attn, "attn-extra": render_attn_extra, "mimo": render_mimo, "flint": render_flint, "ab": render_ab, "host": render_host,
-          "tried": render_tried}  # fmt: skip
+          "tried": render_tried, "order": render_order}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -414,11 +437,12 @@ def _is_gpu_run(kind: str, path: str) -> bool:
 
 
 def import_run(directory: str, page: str) -> dict:
-    """Copies DIR/bench_{attn,mimo,flint,host}.json into benchmarks/results/; the new sources per kind."""
+    """Copies DIR/bench_{attn,mimo,flint,host,order,order_det}.json into benchmarks/results/; the new
+    sources per kind."""
     current = dict(blocks(page))
     new = {}
     for kind, name in (("attn", "bench_attn.json"), ("mimo", "bench_mimo.json"), ("flint", "bench_flint.json"),
-                       ("host", "bench_host.json")):
+                       ("host", "bench_host.json"), ("order", "bench_order.json"), ("order-det", "bench_order_det.json")):
         src = os.path.join(directory, name)
         if not os.path.exists(src):
             continue
@@ -429,8 +453,10 @@ def import_run(directory: str, page: str) -> dict:
         print(f"render_records: {src} -> {dest}")
         if kind == "attn":
             new["attn"] = new["attn-extra"] = [dest]
-        elif kind == "host":  # one machine: the GPU's host
-            new["host"] = [dest]
+        elif kind in ("host", "order"):  # one machine: the GPU (its host)
+            new[kind] = [dest]
+        elif kind == "order-det":
+            new["order"] = new.get("order", []) + [dest]
         else:  # replace the source of the same machine kind, keep the other
             gpu = _is_gpu_run(kind, dest)
             new[kind] = [p for p in current.get(kind, []) if _is_gpu_run(kind, p) != gpu] + [dest]

@@ -41,12 +41,12 @@ __global__ void __launch_bounds__(kThreads, 1)
     const KvItems w(mask, blockIdx.x, kt * KVB, p.Hq / p.Hkv);
     const int wg = threadIdx.x / 128;
     if (wg == 0) {
-        sm90::reg_dealloc<24>();
+        Split::producer();
         produce_dkdv<D>(w, bar, base, base + L::s1_off, base + L::a_off, base + L::b_off, s_l2, s_dl, s_kb, mask, p,
                         ws.delta, &tm_k, &tm_v, &tm_q, &tm_do);
         return;
     }
-    sm90::reg_alloc<240>();
+    Split::consumer();
     DkdvConsumer<T, D, ADQ, Mask> c(p, mask, w, bar, base, s_l2, s_dl, s_kb, wg - 1);
     sm90::mbar_wait(bar.stat(), 0);
     if constexpr (ADQ) c.run_adq(ws.dq_accum);
@@ -78,11 +78,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     const q_tile_range rng = q_range(mask, q0, QQB, QKB);
     const int n_it = max(0, rng.kt_hi - rng.kt_lo + 1);
     if (wg == 0) {
-        sm90::reg_dealloc<24>();
+        Split::producer();
         if (tid == 0) produce_dq<D>(rng, n_it, bar, sQ, sO, sK0, sV0, h, g_kv, q0, &tm_q, &tm_do, &tm_k, &tm_v);
         return;
     }
-    sm90::reg_alloc<240>();
+    Split::consumer();
     const int cw = wg - 1, tq = lane & 3, row0 = 64 * cw + 16 * ((tid & 127) >> 5) + (lane >> 2);
     int lo[2], hi[2];
     float l2[2], dl[2];
@@ -163,15 +163,6 @@ __global__ void __launch_bounds__(256) dq_convert_kernel(const float *__restrict
 template <typename T, int D, bool ADQ, class Mask> struct ic_dkdv {};
 template <typename T, int D, class Mask> struct ic_dq {};
 
-/* Sets a kernel's dynamic shared memory once per device (Tag: one flag set per kernel). */
-template <typename Tag, typename K> ncp_status smem_attr(K kernel, int bytes, int device) {
-    static bool set[kMaxDevices];
-    if (device < kMaxDevices && set[device]) return NCP_OK;
-    NCP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-    if (device < kMaxDevices) set[device] = true;
-    return NCP_OK;
-}
-
 template <typename T, int D, bool ADQ, class Mask>
 ncp_status launch_dkdv(const ncp_sink_attn_bwd_params &b, const bwd_workspace &ws, const attn_config &cfg,
                        cudaStream_t stream) {
@@ -183,7 +174,7 @@ ncp_status launch_dkdv(const ncp_sink_attn_bwd_params &b, const bwd_workspace &w
     NCP_TRY(ncp_sm90_tensor_map(&tdo, b.dout, p.Tq, p.Hq, D, b.do_st, b.do_sh, KQB));
     constexpr int bytes = Layout<D, KVB, KQB, ADQ>::bytes;
     auto kernel = bwd_dkdv_sm90_kernel<T, D, ADQ, Mask>;
-    NCP_TRY((smem_attr<ic_dkdv<T, D, ADQ, Mask>>(kernel, bytes, cfg.device)));
+    NCP_TRY((sm90::kernel_setup<ic_dkdv<T, D, ADQ, Mask>, Split>(kernel, bytes, cfg.device)));
     kernel<<<dim3(p.Hkv, (p.Tk + KVB - 1) / KVB), kThreads, bytes, stream>>>(tk, tv, tq, tdo, b, ws);
     NCP_CUDA_CHECK(cudaGetLastError());
     return NCP_OK;
@@ -200,7 +191,7 @@ ncp_status launch_dq(const ncp_sink_attn_bwd_params &b, const bwd_workspace &ws,
     NCP_TRY(ncp_sm90_tensor_map(&tv, p.v, p.Tk, p.Hkv, D, p.v_st, p.v_sh, QKB));
     constexpr int bytes = Layout<D, QQB, QKB>::bytes;
     auto kernel = bwd_dq_sm90_kernel<T, D, Mask>;
-    NCP_TRY((smem_attr<ic_dq<T, D, Mask>>(kernel, bytes, cfg.device)));
+    NCP_TRY((sm90::kernel_setup<ic_dq<T, D, Mask>, Split>(kernel, bytes, cfg.device)));
     kernel<<<dim3(p.Hq, (p.Tq + QQB - 1) / QQB), kThreads, bytes, stream>>>(tq, tdo, tk, tv, b, ws);
     NCP_CUDA_CHECK(cudaGetLastError());
     return NCP_OK;

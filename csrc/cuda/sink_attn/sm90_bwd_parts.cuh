@@ -22,6 +22,8 @@ namespace ncp {
 namespace bwd90 {
 
 constexpr int kThreads = 384; /* producer + 2 consumer warpgroups */
+using Split = sm90::RegSplit<3, 24, 240>; /* producer 24 registers, consumers 240 */
+static_assert(Split::kThreads == kThreads, "one producer and two consumer warpgroups");
 constexpr int kStages = 3;
 constexpr int KVB = 128;      /* dK/dV kernel: keys per CTA */
 constexpr int KQB = 64;       /* dK/dV kernel: q rows per streamed tile */

@@ -32,18 +32,20 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (threadIdx.x == 0) sm.init_barriers();
     __syncthreads();
     if (wg == 0) {
-        sm90::reg_dealloc<24>();
+        Split::producer();
         if (threadIdx.x == 0)
             produce<D>(sm, TileScheduler(p.Tq, p.Hq, BM), Mask(p), p.Hq / p.Hkv, &tm_q, &tm_k, &tm_v, &tm_o);
         return;
     }
-    sm90::reg_alloc<240>();
+    Split::consumer();
     Consumer<T, D, Mask> c(p, sm, wg - 1, halves != 0);
     c.run();
 #else
     __trap(); /* never launched: the dispatcher picks this kernel only on sm_90a builds and devices */
 #endif
 }
+
+template <typename T, int D, class Mask> struct fwd_tag {};
 
 template <typename T, int D, class Mask>
 ncp_status launch_t(const ncp_sink_attn_params &p, const attn_config &cfg, cudaStream_t stream) {
@@ -54,11 +56,7 @@ ncp_status launch_t(const ncp_sink_attn_params &p, const attn_config &cfg, cudaS
     NCP_TRY(ncp_sm90_tensor_map(&to, p.out, p.Tq, p.Hq, D, p.o_st, p.o_sh, BM));
     constexpr int bytes = Layout<D>::bytes;
     auto kernel = sink_attn_fwd_sm90_kernel<T, D, Mask>;
-    static bool attr_set[kMaxDevices]; /* once per device: the attribute holds for later launches */
-    if (cfg.device >= kMaxDevices || !attr_set[cfg.device]) {
-        NCP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-        if (cfg.device < kMaxDevices) attr_set[cfg.device] = true;
-    }
+    NCP_TRY((sm90::kernel_setup<fwd_tag<T, D, Mask>, Split>(kernel, bytes, cfg.device)));
     const int64_t items = (int64_t)p.Hq * ((p.Tq + BM - 1) / BM);
     NCP_CHECK(items <= INT32_MAX / 2, NCP_ERR_INVALID_ARG, "too many attention work items (Hq=%d, Tq=%d)", p.Hq, p.Tq);
     int64_t grid = items;

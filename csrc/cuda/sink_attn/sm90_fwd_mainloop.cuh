@@ -37,6 +37,8 @@ constexpr int BM = 128;            /* query rows per CTA: two consumer warpgroup
 constexpr int BN = 128;            /* keys per kv tile */
 constexpr int kStages = 2;         /* K/V ring depth */
 constexpr int kThreads = 384;      /* producer + 2 consumer warpgroups */
+using Split = sm90::RegSplit<3, 24, 240>; /* producer 24 registers, consumers 240 */
+static_assert(Split::kThreads == kThreads, "one producer and two consumer warpgroups");
 constexpr int kPP = 3;             /* named barriers kPP, kPP + 1: ping-pong turns (1, 2: epilogue) */
 constexpr int kSmemLimit = 232448; /* opt-in dynamic shared memory per block on sm_90 */
 using KV = sm90::Ring<kStages>;

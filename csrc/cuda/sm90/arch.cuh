@@ -23,6 +23,7 @@
 #include <stdint.h>
 
 #include "ncp/ncp.h"
+#include "ncp/ncp_check.h"
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define NCP_SM90_DEVICE 1
@@ -149,6 +150,7 @@ template <int N> __device__ __forceinline__ void reg_alloc() {
 template <int N> __device__ __forceinline__ void reg_dealloc() {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
 }
+
 /* Barrier over `threads` threads (a multiple of 32) with id 1..15 (0 is __syncthreads). */
 __device__ __forceinline__ void named_sync(int id, int threads) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
@@ -165,6 +167,50 @@ __device__ __forceinline__ uint64_t desc_mnmajor(uint32_t addr, uint32_t lbo) {
            ((uint64_t)1 << 62);
 }
 #endif /* NCP_SM90_DEVICE */
+
+/* The register split of a CTA of one producer and W - 1 consumer warpgroups, launched with
+ * __launch_bounds__(128 W, 1): every thread starts with kLaunch registers (65536 / (128 W),
+ * rounded down to 8: what ptxas gives such a kernel, checked at run time by kernel_setup), and
+ * setmaxnreg.inc waits until the CTA's pool holds what it asks for. The pool holds only what the
+ * launch allocated, so the producer must free at least what the consumers take: one register
+ * short and the consumers wait forever (a producer at 32 with consumers at 240 in a 384-thread
+ * CTA hangs). */
+template <int W, int kProducer, int kConsumer> struct RegSplit {
+    static constexpr int kThreads = 128 * W;
+    static constexpr int kLaunch = 65536 / kThreads / 8 * 8;
+    static constexpr int kProducerRegs = kProducer, kConsumerRegs = kConsumer;
+    static_assert(kProducer % 8 == 0 && kConsumer % 8 == 0 && kProducer >= 24 && kConsumer <= 256,
+                  "setmaxnreg takes a multiple of 8 in [24, 256]");
+    static_assert(kProducer <= kLaunch && kConsumer >= kLaunch, "the producer gives registers, the consumers take");
+    /* Whether a kernel that starts with `start` registers a thread can make the split. */
+    static constexpr bool fits(int start) {
+        return start >= kProducer && 128 * (start - kProducer) >= 128 * (W - 1) * (kConsumer - start);
+    }
+    static_assert(fits(kLaunch),
+                  "the consumers' setmaxnreg.inc asks for more registers than the producer frees: it would never return");
+#ifdef NCP_SM90_DEVICE
+    static __device__ __forceinline__ void producer() { reg_dealloc<kProducer>(); }
+    static __device__ __forceinline__ void consumer() { reg_alloc<kConsumer>(); }
+#endif
+};
+
+/* Once per kernel (Tag) and device, before its first launch: the dynamic shared memory limit,
+ * and the check that the registers ptxas gave the kernel (kLaunch with today's toolkits) make its
+ * register split (an error, not a hang, if a toolkit ever allocates fewer). */
+template <typename Tag, typename Split, typename K> ncp_status kernel_setup(K kernel, int smem_bytes, int device) {
+    constexpr int kMaxDev = 64;
+    static bool done[kMaxDev];
+    if (device >= 0 && device < kMaxDev && done[device]) return NCP_OK;
+    NCP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
+    cudaFuncAttributes fa;
+    NCP_CUDA_CHECK(cudaFuncGetAttributes(&fa, kernel));
+    NCP_CHECK(Split::fits(fa.numRegs), NCP_ERR_CUDA,
+              "a Hopper kernel was compiled with %d registers a thread, too few for its warpgroup register split "
+              "(%d, producer %d, consumers %d)", fa.numRegs, Split::kLaunch, Split::kProducerRegs, Split::kConsumerRegs);
+    if (device >= 0 && device < kMaxDev) done[device] = true;
+    return NCP_OK;
+}
+
 
 /* Byte offset of element (row, col) of a 128B-swizzled tile of `rows` rows (see the top comment). */
 __host__ __device__ __forceinline__ uint32_t sw128_offset(int rows, int row, int col) {
