@@ -699,6 +699,16 @@ def test_native_boundary_names_the_argument():
         _C.sink_attn_fwd(q=dl(q), k=dl(k), v=dl(v), out=dl(out), scale=0.5, cu_seqlens=dl(cu))
 
 
+def test_bwd_workspace_size_checks_its_arguments():
+    """The workspace query names a negative size before asking any device."""
+    good = dict(Tq=8, Tk=8, Hq=4, D=64, has_sink=1, deterministic=0, device=0)
+    for name, bad, least in (("Tq", -1, 0), ("Tk", -5, 0), ("Hq", 0, 1), ("D", 0, 1), ("device", -1, 0)):
+        with pytest.raises(ValueError, match=f"{name} must be >= {least}; got {bad}"):
+            _C.sink_attn_bwd_workspace(**{**good, name: bad})
+    with pytest.raises(TypeError, match="missing required keyword argument 'Tk'"):
+        _C.sink_attn_bwd_workspace(**{k: v for k, v in good.items() if k != "Tk"})
+
+
 @pytest.mark.parametrize("sink", [True, False])
 def test_empty_batch(sink):
     """T = 0, cu_seqlens = [0]: empty outputs and zero gradients (empty tensors have NULL data

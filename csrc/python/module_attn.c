@@ -121,6 +121,12 @@ PyObject *ncp_py_sink_attn_bwd_workspace(PyObject *m, PyObject *const *args, Py_
     if (ncp_py_kwargs(&ws_spec, args, nargs, kwnames, v) < 0) return NULL;
     for (int i = 0; i < 7; ++i)
         if (ncp_py_i32(v[i], ws_spec.names[i], &x[i]) < 0) return NULL;
+    static const int32_t least[7] = {0, 0, 1, 1, 0, 0, 0}; /* Tq, Tk >= 0; Hq, D >= 1; flags, device >= 0 */
+    for (int i = 0; i < 7; ++i)
+        if (x[i] < least[i]) {
+            PyErr_Format(PyExc_ValueError, "%s must be >= %d; got %d", ws_spec.names[i], (int)least[i], (int)x[i]);
+            return NULL;
+        }
     int32_t prev = 0;
     ncp_status st = ncp_py_cuda_enter(x[6], &prev);
     if (st != NCP_OK) return ncp_py_raise(st);

@@ -47,7 +47,8 @@ template <class Mask> __device__ __forceinline__ void tile_work(const ncp_sink_a
     const int stride = gridDim.x * kPreThreads;
     for (int t = blockIdx.x * kPreThreads + threadIdx.x; t < ws.kv.n; t += stride) {
         int t0, n;
-        q_tiles_seeing(mask, t * kBwdKvTile, min((t + 1) * kBwdKvTile, p.Tk) - 1, kBwdKvStep, t0, n);
+        const int k1 = (int)min((int64_t)(t + 1) * kBwdKvTile, (int64_t)p.Tk) - 1; /* no int overflow near 2^31 */
+        q_tiles_seeing(mask, t * kBwdKvTile, k1, kBwdKvStep, t0, n);
         ws.kv.work[t] = n;
     }
     for (int t = blockIdx.x * kPreThreads + threadIdx.x; t < ws.q.n; t += stride) {

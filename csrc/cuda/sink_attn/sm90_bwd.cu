@@ -172,6 +172,7 @@ ncp_status launch_dkdv(const ncp_sink_attn_bwd_params &b, const bwd_workspace &w
     NCP_TRY(ncp_sm90_tensor_map(&tv, p.v, p.Tk, p.Hkv, D, p.v_st, p.v_sh, KVB));
     NCP_TRY(ncp_sm90_tensor_map(&tq, p.q, p.Tq, p.Hq, D, p.q_st, p.q_sh, KQB));
     NCP_TRY(ncp_sm90_tensor_map(&tdo, b.dout, p.Tq, p.Hq, D, b.do_st, b.do_sh, KQB));
+    NCP_ARG_CHECK(((int64_t)p.Tk + KVB - 1) / KVB <= 65535, "too many key tiles for one launch (Tk=%d)", p.Tk);
     constexpr int bytes = Layout<D, KVB, KQB, ADQ>::bytes;
     auto kernel = bwd_dkdv_sm90_kernel<T, D, ADQ, Mask>;
     NCP_TRY((sm90::kernel_setup<ic_dkdv<T, D, ADQ, Mask>, Split>(kernel, bytes, cfg.device)));
@@ -189,6 +190,7 @@ ncp_status launch_dq(const ncp_sink_attn_bwd_params &b, const bwd_workspace &ws,
     NCP_TRY(ncp_sm90_tensor_map(&tdo, b.dout, p.Tq, p.Hq, D, b.do_st, b.do_sh, QQB));
     NCP_TRY(ncp_sm90_tensor_map(&tk, p.k, p.Tk, p.Hkv, D, p.k_st, p.k_sh, QKB));
     NCP_TRY(ncp_sm90_tensor_map(&tv, p.v, p.Tk, p.Hkv, D, p.v_st, p.v_sh, QKB));
+    NCP_ARG_CHECK(((int64_t)p.Tq + QQB - 1) / QQB <= 65535, "too many query tiles for one launch (Tq=%d)", p.Tq);
     constexpr int bytes = Layout<D, QQB, QKB>::bytes;
     auto kernel = bwd_dq_sm90_kernel<T, D, Mask>;
     NCP_TRY((sm90::kernel_setup<ic_dq<T, D, Mask>, Split>(kernel, bytes, cfg.device)));
