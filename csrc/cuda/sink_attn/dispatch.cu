@@ -11,10 +11,11 @@
  *             (default) or the deterministic dK/dV + dQ pair; elsewhere the portable
  *             (deterministic) kernels
  * The test hooks (ncp_attn_debug: portable kernels, persistent grid size, whole tiles, backward
- * orders) are one
- * struct set from Python and read once per call; no environment variable is read here.
+ * orders) are one struct set from Python and read once per call; no environment variable is read
+ * here.
  * Test: pytest tests/test_sink_attention_cuda.py
  */
+#include <algorithm>
 #include <atomic>
 
 #include "../sm90/arch.cuh"
@@ -89,7 +90,7 @@ tile_order carve_order(char *base, int64_t off, int32_t n, int32_t heads, const 
     o.work = on ? reinterpret_cast<int32_t *>(base + off) : nullptr;
     o.order = on ? o.work + n : nullptr;
     const int64_t chunk = (int64_t)cfg.order_waves * (cfg.sm_count > 0 ? cfg.sm_count : 1) / (heads > 0 ? heads : 1);
-    o.chunk = (int32_t)(chunk < 1 ? 1 : (chunk > n ? (n > 0 ? n : 1) : chunk));
+    o.chunk = (int32_t)std::max<int64_t>(1, std::min<int64_t>(chunk, n)); /* tiles per chunk, in [1, max(n, 1)] */
     return o;
 }
 
