@@ -699,6 +699,16 @@ def test_native_boundary_names_the_argument():
         _C.sink_attn_fwd(q=dl(q), k=dl(k), v=dl(v), out=dl(out), scale=0.5, cu_seqlens=dl(cu))
 
 
+def test_attn_debug_hooks_check_their_values():
+    """The dispatcher's test hooks name a bad value and leave the hooks as they were."""
+    before = _C.attn_debug()
+    with pytest.raises(ValueError, match="order_waves must be >= -1"):
+        _C.attn_debug(order_waves=-2)
+    with pytest.raises(ValueError, match="grid must be >= 0"):
+        _C.attn_debug(grid=-1)
+    assert _C.attn_debug() == before
+
+
 def test_bwd_workspace_size_checks_its_arguments():
     """The workspace query names a negative size before asking any device."""
     good = dict(Tq=8, Tk=8, Hq=4, D=64, has_sink=1, deterministic=0, device=0)

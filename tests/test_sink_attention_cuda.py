@@ -312,11 +312,6 @@ def test_cuda_backward_tile_orders_change_no_bit(table, ncp_seed, monkeypatch):
                     assert torch.equal(a_, b_), f"{name} (deterministic={det})"
 
 
-def test_cuda_order_waves_hook_checks_its_value():
-    with pytest.raises(ValueError, match="order_waves must be >= -1"):
-        _C.attn_debug(order_waves=-2)
-
-
 @pytest.mark.parametrize("d,window", [(128, 0), (64, 513), (128, 100)])
 def test_cuda_atomic_dq_backward_matches_deterministic(d, window, ncp_seed, monkeypatch):
     """The default Hopper backward (dq from atomic reductions) against the deterministic one and the
