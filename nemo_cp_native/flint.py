@@ -71,6 +71,11 @@ def _expand(runs: Tensor, n: int, device: torch.device, keep: list) -> Tensor:
     return out
 
 
+def _host_table(name: str) -> property:
+    """A read-only property: the plan table ``name``, expanded on the host from its runs once."""
+    return property(lambda self: self._host()[name], doc=f"The plan table {name!r} on the host (int32).")
+
+
 @dataclass(frozen=True, eq=False)
 class MagiAttentionKey:
     """One mask over a plan's shared partition (what Magi's ``DistAttnRuntimeKey`` is to Flint).
@@ -138,29 +143,12 @@ class MagiAttentionKey:
     def q_pos(self) -> Tensor:
         return self._local()
 
-    @property
-    def send_idx(self) -> Tensor:
-        return self._host()["send_idx"]
-
-    @property
-    def recv_pos(self) -> Tensor:
-        return self._host()["recv_pos"]
-
-    @property
-    def kv_src(self) -> Tensor:
-        return self._host()["kv_src"]
-
-    @property
-    def local_slot(self) -> Tensor:
-        return self._host()["local_slot"]
-
-    @property
-    def recv_slot(self) -> Tensor:
-        return self._host()["recv_slot"]
-
-    @property
-    def kv_pos(self) -> Tensor:
-        return self._host()["kv_pos"]
+    send_idx = _host_table("send_idx")
+    recv_pos = _host_table("recv_pos")
+    kv_src = _host_table("kv_src")
+    local_slot = _host_table("local_slot")
+    recv_slot = _host_table("recv_slot")
+    kv_pos = _host_table("kv_pos")
 
     @property
     def mask_host(self) -> dict:
