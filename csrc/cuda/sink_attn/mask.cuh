@@ -58,7 +58,6 @@ __device__ __forceinline__ int doc_end(const int32_t *cu, int n_cu, int i, int n
 }
 
 struct DocsMask {
-    static constexpr bool kTable = false;
     const int32_t *cu;
     int n_cu, window, Tq, Tk;
     __device__ __forceinline__ explicit DocsMask(const ncp_sink_attn_params &p)
@@ -82,7 +81,6 @@ struct DocsMask {
 
 /* ---- tables -------------------------------------------------------------------------------- */
 struct TableMask {
-    static constexpr bool kTable = true;
     const int32_t *lo_t, *hi_t;
     int Tq, Tk;
     __device__ __forceinline__ explicit TableMask(const ncp_sink_attn_params &p)

@@ -33,7 +33,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const Bars bar{base + L::bar_off};
     float *s_l2 = reinterpret_cast<float *>(smem_raw + (base - smem_u32(smem_raw)) + L::vec_off); /* [S][KQB] */
     float *s_dl = s_l2 + kStages * KQB;
-    uint16_t *s_kb = reinterpret_cast<uint16_t *>(s_dl + kStages * KQB); /* [S][KQB], table mask */
+    uint16_t *s_kb = reinterpret_cast<uint16_t *>(s_dl + kStages * KQB); /* [S][KQB] key bounds */
     if (threadIdx.x == 0) bar.init(2); /* a_full: the TMA thread and the lse/Delta warp */
     __syncthreads();
     const Mask mask(p);
@@ -41,7 +41,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const KvItems w(mask, blockIdx.x, kt * KVB, p.Hq / p.Hkv);
     const int wg = threadIdx.x / 128;
     if (wg == 0) {
-        Split::producer();
+        Split::producer(); /* 24 registers; warp 1's key bounds (documents: a binary search) fit */
         produce_dkdv<D>(w, bar, base, base + L::s1_off, base + L::a_off, base + L::b_off, s_l2, s_dl, s_kb, mask, p,
                         ws.delta, &tm_k, &tm_v, &tm_q, &tm_do);
         return;

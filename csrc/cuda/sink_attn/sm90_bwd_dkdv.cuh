@@ -32,14 +32,14 @@ template <typename T, int D, bool ADQ, class Mask> struct DkdvConsumer {
     const float *s_l2, *s_dl;
     const int cw, warp, lane, tq, krow0; /* this thread's key rows krow0, krow0 + 8 of the CTA */
     const float scale_log2;
-    const KeyVis<Mask> vis;
+    const KeyVis vis;
     float dk[D / 2], dv[D / 2];
 
     __device__ __forceinline__ DkdvConsumer(const ncp_sink_attn_params &p_, const Mask &m, const KvItems &w_, Bars bar_,
                                             uint32_t base_, const float *l2, const float *dl, const uint16_t *kb, int cw_)
         : p(p_), mask(m), w(w_), bar(bar_), base(base_), s_l2(l2), s_dl(dl), cw(cw_), warp((threadIdx.x & 127) >> 5),
           lane(threadIdx.x & 31), tq(lane & 3), krow0(64 * cw_ + 16 * warp + (lane >> 2)),
-          scale_log2((float)p_.scale * kLog2e), vis(m, w_.k0, krow0, kb) {
+          scale_log2((float)p_.scale * kLog2e), vis(kb, krow0) {
 #pragma unroll
         for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.f;
     }
@@ -66,7 +66,7 @@ template <typename T, int D, bool ADQ, class Mask> struct DkdvConsumer {
     /* P^T and dS^T of item it in place for accumulator column blocks [j0, j1); columns are queries
      * q0 + 8j + 2tq + c, rows the thread's two keys. */
     __device__ __forceinline__ void probs_cols(float *st, float *dpt, int it, bool full, int j0, int j1) const {
-        const int s = Ring::slot(it), q0 = w.q0(it);
+        const int s = Ring::slot(it);
 #pragma unroll
         for (int j = j0; j < j1; ++j) {
             /* the two columns' lse and Delta as one 8-byte shared load each */
@@ -86,15 +86,15 @@ template <typename T, int D, bool ADQ, class Mask> struct DkdvConsumer {
         }
         if (!full) { /* a separate pass, so full items carry none of the mask's registers */
 #pragma unroll
-            for (int j = j0; j < j1; ++j)
+            for (int j = j0; j < j1; ++j) {
+                const uint32_t b2 = vis.pair(s, 8 * j + 2 * tq); /* both columns' key bounds */
 #pragma unroll
-                for (int c = 0; c < 2; ++c) {
-                    const int q = q0 + 8 * j + 2 * tq + c;
+                for (int c = 0; c < 2; ++c)
 #pragma unroll
                     for (int r = 0; r < 2; ++r)
-                        if (!vis(s, 8 * j + 2 * tq + c, q, r))
+                        if (!vis(c ? b2 >> 16 : b2 & 0xffffu, r))
                             st[4 * j + 2 * r + c] = dpt[4 * j + 2 * r + c] = 0.f; /* hidden inf/nan too */
-                }
+            }
         }
     }
     __device__ __forceinline__ void release(int it) const { sm90::warp_arrive(bar.e(Ring::slot(it))); }

@@ -37,7 +37,7 @@ using Ring = sm90::Ring<kStages>;
 /* Two stationary tiles of SR rows, kStages x two streamed tiles of TR rows, with DS (atomic-dQ
  * dK/dV kernel) two dS^T tiles of SR x TR and two 64 x 64 fp32 dQ staging tiles, the mbarriers,
  * then kStages x TR floats of lse * log2(e) and of Delta for the streamed q tiles, and kStages x
- * TR packed key bounds (key_bounds; table mask). */
+ * TR packed key bounds (key_bounds). */
 template <int D, int SR, int TR, bool DS = false> struct Layout {
     static constexpr int stat_bytes = SR * D * 2;
     static constexpr int tile_bytes = TR * D * 2;
@@ -87,9 +87,9 @@ struct KvItems {
     __device__ __forceinline__ int q0(int it) const { return (qt_lo + it % n_q) * KQB; }
 };
 
-/* Which of the CTA's keys k0 + d (0 <= d < KVB) row q sees, for the mask pass of the table mask:
- * a <= d < b, packed as a | b << 8 (a, b in [0, KVB]; rows past Tq and keys past Tk see nothing). */
-__device__ __forceinline__ uint16_t key_bounds(const TableMask &m, int q, int k0) {
+/* Which of the CTA's keys k0 + d (0 <= d < KVB) row q sees, for the mask pass: a <= d < b, packed
+ * as a | b << 8 (a, b in [0, KVB]; rows past Tq and keys past Tk see nothing). */
+template <class Mask> __device__ __forceinline__ uint16_t key_bounds(const Mask &m, int q, int k0) {
     static_assert(KVB < 256, "key bounds are packed in 8 bits each");
     if (q >= m.Tq) return (uint16_t)KVB; /* a = KVB, b = 0 */
     const int a = min(max(m.lo(q) - k0, 0), KVB), b = min(max(m.hi(q) - k0 + 1, 0), KVB);
@@ -97,8 +97,8 @@ __device__ __forceinline__ uint16_t key_bounds(const TableMask &m, int q, int k0
 }
 
 /* dK/dV producer. Thread 0: K and V once, then Q and dO of every item. Warp 1: lse * log2(e) and
- * Delta of every item's 64 rows into shared memory, and with the table mask their key bounds
- * (key_bounds), so the consumers' mask pass reads shared memory, not the row tables. */
+ * Delta of every item's 64 rows into shared memory, and their key bounds (key_bounds), so the
+ * consumers' mask pass is one shared load and two compares per query, whatever the mask. */
 template <int D, class Mask>
 __device__ __forceinline__ void produce_dkdv(const KvItems &w, const Bars &bar, uint32_t sK, uint32_t sV, uint32_t sQ0,
                                              uint32_t sO0, float *s_l2, float *s_dl, uint16_t *s_kb, const Mask &mask,
@@ -126,7 +126,7 @@ __device__ __forceinline__ void produce_dkdv(const KvItems &w, const Bars &bar, 
                 const bool ok = q < p.Tq;
                 s_l2[s * KQB + c] = ok ? __ldg(p.lse + (int64_t)h * p.Tq + q) * kLog2e : 0.f;
                 s_dl[s * KQB + c] = ok ? __ldg(delta + (int64_t)h * p.Tq + q) : 0.f;
-                if constexpr (Mask::kTable) s_kb[s * KQB + c] = key_bounds(mask, q, w.k0);
+                s_kb[s * KQB + c] = key_bounds(mask, q, w.k0);
             }
             sm90::warp_arrive(bar.a(s));
         }
@@ -151,33 +151,21 @@ __device__ __forceinline__ void produce_dq(const q_tile_range &rng, int n_it, co
     }
 }
 
-/* Which queries the thread's two keys k0 + krow, k0 + krow + 8 see, for the mask pass of a partial
- * dK/dV item: vis(s, col, q, r) for query q, column col of the q tile in stage s. Documents: key k
- * is seen by queries k <= q < doc_end(k) (and q - k < window), in registers; tables: the stage's
- * key bounds in shared memory (key_bounds). */
-template <class Mask> struct KeyVis;
-template <> struct KeyVis<DocsMask> {
-    int kpos[2], kend[2], window, Tq;
-    __device__ __forceinline__ KeyVis(const DocsMask &m, int k0, int krow, const uint16_t *) : window(m.window), Tq(m.Tq) {
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const int k = k0 + krow + 8 * r;
-            kpos[r] = k < m.Tk ? k : kNoKey;
-            kend[r] = k < m.Tk ? doc_end(m.cu, m.n_cu, k, m.Tq) : 0;
-        }
-    }
-    __device__ __forceinline__ bool operator()(int, int, int q, int r) const {
-        return q < Tq && kpos[r] <= q && q < kend[r] && (window <= 0 || q - kpos[r] < window);
-    }
-};
-template <> struct KeyVis<TableMask> {
-    const uint16_t *s_kb;
+/* For the mask pass of a partial dK/dV item: pair(s, col) loads the key bounds (key_bounds) of
+ * columns col, col + 1 (col even) of the q tile in stage s; vis(bounds, r): whether the thread's
+ * key k0 + krow + 8 r is seen by that column. */
+struct KeyVis {
+    uint32_t kb; /* shared-space address of the key bounds, [kStages][KQB] uint16 */
     int krow;
-    __device__ __forceinline__ KeyVis(const TableMask &, int, int krow_, const uint16_t *kb) : s_kb(kb), krow(krow_) {}
-    __device__ __forceinline__ bool operator()(int s, int col, int, int r) const {
-        const uint32_t b = s_kb[s * KQB + col];
+    __device__ __forceinline__ KeyVis(const uint16_t *s_kb, int krow_) : kb(smem_u32(s_kb)), krow(krow_) {}
+    __device__ __forceinline__ uint32_t pair(int s, int col) const {
+        uint32_t v;
+        asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(kb + 2u * (s * KQB + col)));
+        return v;
+    }
+    __device__ __forceinline__ bool operator()(uint32_t b, int r) const {
         const int d = krow + 8 * r;
-        return (int)(b & 0xffu) <= d && d < (int)(b >> 8);
+        return (int)(b & 0xffu) <= d && d < (int)((b >> 8) & 0xffu);
     }
 };
 
