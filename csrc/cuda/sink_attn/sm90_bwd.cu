@@ -47,7 +47,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         return;
     }
     Split::consumer();
-    DkdvConsumer<T, D, ADQ, Mask> c(p, mask, w, bar, base, s_l2, s_dl, s_kb, wg - 1);
+    DkdvConsumer<T, D, ADQ> c(p, w, bar, base, s_l2, s_dl, s_kb, wg - 1);
     sm90::mbar_wait(bar.stat(), 0);
     if constexpr (ADQ) c.run_adq(ws.dq_accum);
     else c.run_det();

@@ -22,10 +22,10 @@ namespace ncp {
 namespace bwd90 {
 
 #ifdef NCP_SM90_DEVICE
-template <typename T, int D, bool ADQ, class Mask> struct DkdvConsumer {
+/* Mask-agnostic: the mask reaches the consumers only as the producer's key bounds (KeyVis). */
+template <typename T, int D, bool ADQ> struct DkdvConsumer {
     using L = Layout<D, KVB, KQB, ADQ>;
     const ncp_sink_attn_params &p;
-    const Mask &mask;
     const KvItems &w;
     const Bars bar;
     const uint32_t base;
@@ -35,9 +35,9 @@ template <typename T, int D, bool ADQ, class Mask> struct DkdvConsumer {
     const KeyVis vis;
     float dk[D / 2], dv[D / 2];
 
-    __device__ __forceinline__ DkdvConsumer(const ncp_sink_attn_params &p_, const Mask &m, const KvItems &w_, Bars bar_,
+    __device__ __forceinline__ DkdvConsumer(const ncp_sink_attn_params &p_, const KvItems &w_, Bars bar_,
                                             uint32_t base_, const float *l2, const float *dl, const uint16_t *kb, int cw_)
-        : p(p_), mask(m), w(w_), bar(bar_), base(base_), s_l2(l2), s_dl(dl), cw(cw_), warp((threadIdx.x & 127) >> 5),
+        : p(p_), w(w_), bar(bar_), base(base_), s_l2(l2), s_dl(dl), cw(cw_), warp((threadIdx.x & 127) >> 5),
           lane(threadIdx.x & 31), tq(lane & 3), krow0(64 * cw_ + 16 * warp + (lane >> 2)),
           scale_log2((float)p_.scale * kLog2e), vis(kb, krow0) {
 #pragma unroll
@@ -57,12 +57,9 @@ template <typename T, int D, bool ADQ, class Mask> struct DkdvConsumer {
         sm90::mbar_wait(bar.b(s), ph);
         sm90::gemm_ss<T, KQB, D>(dpt, sV() + cw * 64 * 128, KVB * 128, sO(s), KQB * 128);
     }
-    /* Whether every (key, query) pair of item it is visible (no mask needed). */
-    __device__ __forceinline__ bool item_full(int it) const {
-        const int q0 = w.q0(it);
-        return q0 + KQB <= p.Tq && w.k0 + KVB <= p.Tk && w.k0 + KVB - 1 <= mask.hi(q0) &&
-               w.k0 >= mask.lo(min(q0 + KQB, p.Tq) - 1);
-    }
+    /* Whether every (key, query) pair of item it is visible (no mask needed): from the stage's key
+     * bounds, after the wait on its a_full barrier (issue_sdp). */
+    __device__ __forceinline__ bool item_full(int it) const { return vis.all_visible(Ring::slot(it)); }
     /* P^T and dS^T of item it in place for accumulator column blocks [j0, j1); columns are queries
      * q0 + 8j + 2tq + c, rows the thread's two keys. */
     __device__ __forceinline__ void probs_cols(float *st, float *dpt, int it, bool full, int j0, int j1) const {

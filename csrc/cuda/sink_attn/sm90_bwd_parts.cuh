@@ -167,6 +167,17 @@ struct KeyVis {
         const int d = krow + 8 * r;
         return (int)(b & 0xffu) <= d && d < (int)((b >> 8) & 0xffu);
     }
+    /* Whether the item in stage s sees all its KQB x KVB pairs (no mask pass). The bounds are
+     * non-decreasing in the row (mask.cuh), so it is enough that the first row sees the CTA's
+     * last key and the last row its first key; rows past Tq (a = KVB) and keys past Tk (b < KVB)
+     * fail the test. Two shared loads, where the mask's own lo / hi are a binary search over the
+     * document table each. */
+    __device__ __forceinline__ bool all_visible(int s) const {
+        uint32_t first, last;
+        asm volatile("ld.shared.u16 %0, [%1];\n" : "=r"(first) : "r"(kb + 2u * (s * KQB)));
+        asm volatile("ld.shared.u16 %0, [%1];\n" : "=r"(last) : "r"(kb + 2u * (s * KQB + KQB - 1)));
+        return (first >> 8) == (uint32_t)KVB && (last & 0xffu) == 0u;
+    }
 };
 
 /* Stores a warpgroup's 64 x D fp32 accumulator tile (times mul) as T rows [r0, r0 + 64) of dst,
