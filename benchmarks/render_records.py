@@ -204,7 +204,8 @@ def _ms(row, syncs=True) -> str:
 
 def render_mimo(paths: list[str]) -> str:
     head = ["machine", "case", "native ms", "native, `seq_lens` on CPU", "torch ops + native TE partition",
-            "native speedup over it", "torch ops + Python TE oracle", "fused gather pass alone"]  # fmt: skip
+            "native speedup over it (`seq_lens` on GPU / CPU)", "torch ops + Python TE oracle", "fused gather pass alone",
+            "host µs, `seq_lens` on CPU: one call / stream"]  # fmt: skip
     out = ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 2)]
     sources, any_gpu = [], False
     for path in paths:
@@ -217,10 +218,15 @@ def render_mimo(paths: list[str]) -> str:
         by = {(r["case"], r["impl"]): r for r in data["rows"]}
         for c in cases:
             nat, fast = by.get((c, "native")), by.get((c, "ref(fastTE)"))
+            meta = by.get((c, "native(metaCPU)"))
             ratio = f"{fast['ms'] / nat['ms']:.1f}x" if nat and fast else "–"
+            if meta and fast:
+                ratio += f" / {fast['ms'] / meta['ms']:.1f}x"
             pass_ = f"{nat['pass_ms']} ms, {nat['pass_GB/s']} GB/s" if nat and "pass_ms" in nat else "–"
-            out.append("| " + " | ".join([machine(data["env"], gpu), c, _ms(nat), _ms(by.get((c, "native(metaCPU)"))),
-                                          _ms(fast), ratio, _ms(by.get((c, "ref(pyTE)"))), pass_]) + " |")  # fmt: skip
+            host = (f"{meta['host_us']} / {meta['host_us_stream']}" if meta and "host_us_stream" in meta
+                    else f"{meta['host_us']} / –" if meta else "–")  # fmt: skip
+            out.append("| " + " | ".join([machine(data["env"], gpu), c, _ms(nat), _ms(meta), _ms(fast), ratio,
+                                          _ms(by.get((c, "ref(pyTE)"))), pass_, host]) + " |")  # fmt: skip
         sources.append(source_line(path, data["env"], gpu))
         any_gpu = any_gpu or gpu
     out.append("")
@@ -357,24 +363,45 @@ def tried_sources() -> list[str]:
 
 
 def render_ab(paths: list[str]) -> str:
-    """benchmarks/ab_attention.py: two builds timed round robin in one process."""
-    data = _read(paths[-1])
-    out = [f"A = `{data['a']}`, B = `{data['b']}`; {data['method']}. TFLOP/s forward / forward+backward:", "",
-           "| case | A | B | B / A |", "|---|---:|---:|---:|"]  # fmt: skip
-    for r in data["rows"]:
-        out.append(f"| {r['case']} | {r['a']['fwd_tflops']} / {r['a']['fwdbwd_tflops']} | "
-                   f"{r['b']['fwd_tflops']} / {r['b']['fwdbwd_tflops']} | {r['b_over_a_fwd']} / {r['b_over_a_fwdbwd']} |")
-    out += ["", f"Source: `{paths[-1]}`."]
+    """benchmarks/ab_attention.py: two builds timed round robin in one process; one column pair per
+    file (a file named ``*_det.json`` was run with ``NCP_DETERMINISTIC=1``), cases in rows."""
+    runs = [_read(p) for p in paths]
+    modes = ["deterministic" if p.endswith("_det.json") else "atomic dQ" for p in paths]
+    first = runs[0]
+    out = [f"A = `{first['a']}`, B = `{first['b']}`; {first['method']}. TFLOP/s forward / forward+backward, "
+           "B / A in parentheses:", "",
+           "| case | " + " | ".join(f"{m}: A | {m}: B" for m in modes) + " |",
+           "|---|" + "---:|---:|" * len(runs)]  # fmt: skip
+    cases = []
+    for data in runs:
+        cases += [r["case"] for r in data["rows"] if r["case"] not in cases]
+    for c in cases:
+        cells = [c]
+        for data in runs:
+            r = next((r for r in data["rows"] if r["case"] == c), None)
+            if r is None:
+                cells += ["–", "–"]
+                continue
+            cells += [f"{r['a']['fwd_tflops']} / {r['a']['fwdbwd_tflops']}",
+                      f"{r['b']['fwd_tflops']} / {r['b']['fwdbwd_tflops']} ({r['b_over_a_fwd']} / {r['b_over_a_fwdbwd']})"]
+        out.append("| " + " | ".join(cells) + " |")
+    out += [""] + [f"Source: `{p}`." for p in paths]
     return "\n".join(out)
 
 
 def render_host(paths: list[str]) -> str:
     """benchmarks/bench_host.py: host time per call with the GPU kept busy."""
     data = _read(paths[-1])
-    out = [f"{data['method']}:", "", "| op | forward host µs | backward host µs | syncs fwd / bwd |", "|---|---:|---:|---:|"]
+    stream = "method_stream" in data
+    head = "| op | forward host µs | backward host µs |" + (" stream: forward / backward µs |" if stream else "")
+    out = [f"one call: {data['method']}" + (f"; stream: {data['method_stream']}" if stream else "") + ":", "",
+           head + " syncs fwd / bwd |", "|---|---:|---:|" + ("---:|" if stream else "") + "---:|"]  # fmt: skip
     for r in data["rows"]:
-        out.append(f"| {r['op']} | {r['fwd_host_us']} | {r['bwd_host_us'] if r['bwd_host_us'] is not None else '–'} | "
-                   f"{r['fwd_syncs']} / {r['bwd_syncs'] if r['bwd_syncs'] is not None else '–'} |")
+        cells = [r["op"], r["fwd_host_us"], r["bwd_host_us"] if r["bwd_host_us"] is not None else "–"]
+        if stream:
+            cells.append(f"{r['fwd_host_us_stream']} / {r['bwd_host_us_stream']}")
+        cells.append(f"{r['fwd_syncs']} / {r['bwd_syncs'] if r['bwd_syncs'] is not None else '–'}")
+        out.append("| " + " | ".join(str(c) for c in cells) + " |")
     out += ["", source_line(paths[-1], data["env"], True)]
     return "\n".join(out)
 

@@ -32,7 +32,7 @@ def test_page_matches_its_sources(records):
 def test_every_result_file_is_cited_and_the_page_is_short(records):
     with open(records.PAGE) as f:
         page = f.read()
-    assert len(page.splitlines()) < 200
+    assert len(page.splitlines()) < 240  # a page to read, not a log: prune superseded runs
     kinds = [kind for kind, _ in records.blocks(page)]
     assert {"attn", "attn-extra", "mimo", "flint", "tried"} <= set(kinds)
     for name in os.listdir(os.path.join(_ROOT, "benchmarks", "results")):
