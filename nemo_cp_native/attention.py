@@ -26,6 +26,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from torch.utils.dlpack import to_dlpack
+
 from ._ops import _C, dl, dl_named, stream_of
 
 __all__ = ["AttnMask", "SinkAttnFunc", "attn_backward", "attn_forward", "backward_is_deterministic", "sink_attention"]
@@ -53,6 +55,17 @@ class AttnMask:
         return {"row_lo": dl(self.row_lo), "row_hi": dl(self.row_hi)}
 
 
+def _capsules(named: dict) -> dict:
+    """``dl`` of every tensor of ``named`` (None stays None). One try around all of them, not a meta
+    check per tensor (the host path is hot); on failure, ``dl_named`` says which argument it was."""
+    try:
+        return {key: None if t is None else to_dlpack(t) for key, t in named.items()}
+    except BufferError:
+        for key, t in named.items():
+            dl_named(key, t)
+        raise
+
+
 def backward_is_deterministic() -> bool:
     """Whether the next backward must be bitwise repeatable: ``torch.use_deterministic_algorithms(True)``
     or ``NCP_DETERMINISTIC=1``. Otherwise the Hopper backward accumulates dq with atomic
@@ -71,8 +84,8 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, sink: Optional[Tensor], scale: float, 
     lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
     if q.shape[0] == 0:  # no query rows: nothing to compute (empty tensors carry NULL data pointers)
         return out, lse
-    _C.sink_attn_fwd(q=dl_named("q", q), k=dl_named("k", k), v=dl_named("v", v), out=dl(out), lse=dl(lse),
-                     sink=dl_named("sink", sink), scale=scale, stream=stream_of(q.device), **mask.kwargs())  # fmt: skip
+    caps = _capsules({"q": q, "k": k, "v": v, "sink": sink, "out": out, "lse": lse})
+    _C.sink_attn_fwd(**caps, scale=scale, stream=stream_of(q.device), **mask.kwargs())
     return out, lse
 
 
@@ -84,14 +97,22 @@ def _bwd(dout, q, k, v, sink, out, lse, scale: float, mask: AttnMask):
     det = int(backward_is_deterministic())
     ws = None
     if q.device.type == "cuda":
-        nbytes = _C.sink_attn_bwd_workspace(Tq=q.shape[0], Tk=k.shape[0], Hq=q.shape[1], D=q.shape[2],
-                                            has_sink=int(sink is not None), deterministic=det,
-                                            device=q.device.index or 0)  # fmt: skip
+        key = (q.shape[0], k.shape[0], q.shape[1], q.shape[2], sink is not None, det, q.device.index or 0)
+        nbytes = _ws_bytes.get(key)
+        if nbytes is None:
+            nbytes = _C.sink_attn_bwd_workspace(Tq=key[0], Tk=key[1], Hq=key[2], D=key[3], has_sink=int(key[4]),
+                                                deterministic=det, device=key[6])  # fmt: skip
+            if len(_ws_bytes) >= 256:  # shapes vary per step in some recipes: keep the cache bounded
+                _ws_bytes.clear()
+            _ws_bytes[key] = nbytes
         ws = torch.empty(((nbytes + 3) // 4,), dtype=torch.float32, device=q.device)
-    _C.sink_attn_bwd(q=dl(q), k=dl(k), v=dl(v), out=dl(out), lse=dl(lse), dout=dl_named("dout", dout.contiguous()),
-                     dq=dl(dq), dk=dl(dk), dv=dl(dv), sink=dl(sink), dsink=dl(dsink), workspace=dl(ws), scale=scale,
-                     deterministic=det, stream=stream_of(q.device), **mask.kwargs())  # fmt: skip
+    caps = _capsules({"q": q, "k": k, "v": v, "out": out, "lse": lse, "dout": dout.contiguous(), "dq": dq, "dk": dk,
+                      "dv": dv, "sink": sink, "dsink": dsink, "workspace": ws})  # fmt: skip
+    _C.sink_attn_bwd(**caps, scale=scale, deterministic=det, stream=stream_of(q.device), **mask.kwargs())
     return dq, dk, dv, dsink
+
+
+_ws_bytes: dict = {}  # (Tq, Tk, Hq, D, has_sink, deterministic, device) -> _C.sink_attn_bwd_workspace bytes
 
 
 @torch.library.custom_op("nemo_cp_native::sink_attn_fwd", mutates_args=())
@@ -228,7 +249,12 @@ def sink_attention(
         check_cu_seqlens(cu_seqlens, q.shape[0] if q.ndim == 3 else 0)
     D = q.shape[-1] if q.ndim == 3 else 0
     scale = float((D**-0.5 if D > 0 else 1.0) if scale is None else scale)
-    q, k, v = (t if t.ndim != 3 or t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    if q.ndim == 3 and q.stride(-1) != 1:
+        q = q.contiguous()
+    if k.ndim == 3 and k.stride(-1) != 1:
+        k = k.contiguous()
+    if v.ndim == 3 and v.stride(-1) != 1:
+        v = v.contiguous()
     mask = AttnMask(cu_seqlens=cu_seqlens, window=window)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                     or (sink is not None and sink.requires_grad)):  # fmt: skip
