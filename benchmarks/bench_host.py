@@ -28,7 +28,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import env_record, print_table, write_json  # noqa: E402
+from common import env_record, host_us_stream, print_table, write_json  # noqa: E402
 
 import nemo_cp_native as ncp  # noqa: E402
 from nemo_cp_native.testing import count_syncs, doc_lengths, make_attention_case  # noqa: E402
@@ -63,38 +63,6 @@ def backward_host_us(forward, dout, reps: int = 30, spin: int = 20_000_000) -> f
     return statistics.median(ts[3:])
 
 
-def stream_host_us(fn, n: int, reps: int = 7, spin: int = 200_000_000) -> float:
-    """Host µs per call of ``n`` calls made back to back behind one long spin (~100 ms of GPU
-    work, longer than the n calls' host time), median over ``reps``."""
-    fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        torch.cuda._sleep(spin)
-        t0 = time.perf_counter_ns()
-        for _ in range(n):
-            fn()
-        ts.append((time.perf_counter_ns() - t0) / 1e3 / n)
-        torch.cuda.synchronize()
-    return statistics.median(ts)
-
-
-def stream_backward_host_us(forward, dout, n: int, reps: int = 5, spin: int = 200_000_000) -> float:
-    """``stream_host_us`` of ``out.backward(dout)``: n graphs from ``forward()`` first, untimed."""
-    ts = []
-    for _ in range(reps):
-        outs = [forward() for _ in range(n)]
-        torch.cuda.synchronize()
-        torch.cuda._sleep(spin)
-        t0 = time.perf_counter_ns()
-        for out in outs:
-            out.backward(dout)
-        ts.append((time.perf_counter_ns() - t0) / 1e3 / n)
-        del outs
-        torch.cuda.synchronize()
-    return statistics.median(ts)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json")
@@ -118,8 +86,9 @@ def main(argv=None) -> int:
 
         fwd_us = host_us(fwd)
         bwd_us = backward_host_us(lambda: ncp.sink_attention(q, k, v, s, cu, window=w), dout)
-        fwd_stream = stream_host_us(fwd, n)
-        bwd_stream = stream_backward_host_us(lambda: ncp.sink_attention(q, k, v, s, cu, window=w), dout, n)
+        fwd_stream = host_us_stream(fwd, n)
+        bwd_stream = host_us_stream(lambda out: out.backward(dout), n, reps=5,
+                                    prepare=lambda: [ncp.sink_attention(q, k, v, s, cu, window=w) for _ in range(n)])  # fmt: skip
         outs.append(ncp.sink_attention(q, k, v, s, cu, window=w))
         rows.append({"op": f"sink_attention w{w}", "fwd_host_us": round(fwd_us, 1), "bwd_host_us": round(bwd_us, 1),
                      "fwd_host_us_stream": round(fwd_stream, 1), "bwd_host_us_stream": round(bwd_stream, 1),
@@ -145,8 +114,10 @@ def main(argv=None) -> int:
 
     rows.append({"op": "SDPA causal (8k, no sink)", "fwd_host_us": round(host_us(sdpa), 1),
                  "bwd_host_us": round(backward_host_us(sdpa_graph, douts), 1),
-                 "fwd_host_us_stream": round(stream_host_us(sdpa, n), 1),
-                 "bwd_host_us_stream": round(stream_backward_host_us(sdpa_graph, douts, n), 1), "fwd_syncs": count_syncs(sdpa),
+                 "fwd_host_us_stream": round(host_us_stream(sdpa, n), 1),
+                 "bwd_host_us_stream": round(host_us_stream(lambda out: out.backward(douts), n, reps=5,
+                                                            prepare=lambda: [sdpa_graph() for _ in range(n)]), 1),
+                 "fwd_syncs": count_syncs(sdpa),
                  "bwd_syncs": count_syncs(sdpa_bwd)})  # fmt: skip
     print_table(rows, list(rows[0]))
     write_json(args.json, {"env": env_record(), "method": "queued 20M-cycle spin, host clock, median",

@@ -52,7 +52,7 @@ import torch
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [_HERE, os.path.dirname(_HERE)]  # common.py, and the package when run from a checkout
-from common import env_record, print_table, time_cpu, time_cuda, write_json  # noqa: E402
+from common import env_record, host_us_stream, print_table, time_cpu, time_cuda, write_json  # noqa: E402
 
 from nemo_cp_native.testing import count_syncs as _count_syncs  # noqa: E402
 
@@ -152,21 +152,6 @@ def host_us(fn, *, cuda, warmup=3, reps=20):
     return statistics.median(times)
 
 
-def host_us_stream(fn, n=8, reps=7):
-    """Host microseconds per call of ``n`` calls back to back behind one long GPU spin, median."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        torch.cuda._sleep(10 * SPIN_CYCLES)
-        t0 = time.perf_counter_ns()
-        for _ in range(n):
-            fn()
-        times.append((time.perf_counter_ns() - t0) / 1e3 / n)
-        torch.cuda.synchronize()
-    return statistics.median(times)
-
-
 BAR_SPEEDUP = {1: 20.0, 4: 50.0}  # issue 16: native vs ref(fastTE) wall time, on the H200
 BAR_HOST_US = 100.0  # issue 16: host time per call with seq_lens* on the CPU
 
@@ -207,7 +192,7 @@ def run_case(name, B, S, C, cp, rank, docs, device, reps, ref_reps, seed):
                 row["syncs"] = _count_syncs(fn) if cuda else 0
                 row["host_us"] = round(host_us(fn, cuda=cuda, warmup=2 if native else 1, reps=n), 1)
                 if impl == "native(metaCPU)":
-                    row["host_us_stream"] = round(host_us_stream(fn), 1)
+                    row["host_us_stream"] = round(host_us_stream(fn, spin=10 * SPIN_CYCLES), 1)
             rows.append(row)
     run_pass = _pass_fn(batch, C, cp, rank)
     pass_ms = time_cuda(run_pass, reps=reps, flush_l2=True, queued=True) if cuda else time_cpu(run_pass, warmup=3, reps=reps)

@@ -85,6 +85,27 @@ def time_cpu(fn, *, warmup: int = 2, reps: int = 10, sync_cuda: bool = False) ->
     return statistics.median(times)
 
 
+def host_us_stream(fn, n: int = 8, *, reps: int = 7, spin: int = 200_000_000, prepare=None) -> float:
+    """Host microseconds per call of ``n`` calls made back to back behind one long GPU spin (the
+    host cost per call of a loop whose host runs ahead of the GPU), median over ``reps``.
+    ``prepare()``, if given, runs before each repetition, untimed, and returns the n arguments of
+    the calls (``fn(arg)``); otherwise ``fn()`` is called n times."""
+    fn(*(prepare()[:1] if prepare else ()))
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        args = prepare() if prepare else [None] * n
+        torch.cuda.synchronize()
+        torch.cuda._sleep(spin)
+        t0 = time.perf_counter_ns()
+        for a in args:
+            fn(*(() if prepare is None else (a,)))
+        times.append((time.perf_counter_ns() - t0) / 1e3 / len(args))
+        del args
+        torch.cuda.synchronize()
+    return statistics.median(times)
+
+
 def write_json(path: str | None, payload: dict) -> None:
     if not path:
         return
