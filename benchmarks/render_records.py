@@ -1,7 +1,8 @@
-"""Renders the tables of BENCHMARKS.md from the raw JSON files of the benchmarks, so that every
-figure on the page is copied by the machine, never by hand.
+"""Renders the tables of BENCHMARKS.md (figures of record) and docs/EXPERIMENTS.md (design choices
+measured: A/B runs, tile orders, what was tried and lost) from the raw JSON files of the
+benchmarks, so that every figure on the pages is copied by the machine, never by hand.
 
-The page holds generated blocks between marker comments that name their kind and sources:
+Each page holds generated blocks between marker comments that name their kind and sources:
 
     <!-- BEGIN GENERATED attn benchmarks/results/2026-12-03_27498c3_attn.json -->
     ...
@@ -9,7 +10,9 @@ The page holds generated blocks between marker comments that name their kind and
 
 kinds: ``attn`` (every case: ours against FlexAttention+sink and SDPA), ``attn-extra`` (our other
 rows: no sink, deterministic backward, A/B variants), ``mimo`` (one or more runs of
-bench_mimo_shard.py), ``flint`` (one or more runs of bench_flint.py).
+bench_mimo_shard.py), ``flint`` (one or more runs of bench_flint.py), ``host`` (bench_host.py),
+``order`` (bench_bwd_order.py), ``ab`` (ab_attention.py), ``tried`` (the losers, from the files
+that record them).
 
     # after a GPU run of benchmarks/gpu_run.sh: copy its JSON into benchmarks/results/ and re-render
     python benchmarks/render_records.py --import $OUT [--prune]
@@ -21,8 +24,8 @@ bench_mimo_shard.py), ``flint`` (one or more runs of bench_flint.py).
 ``--import DIR`` takes ``bench_{attn,mimo,flint,host,order,order_det}.json`` from DIR,
 stores them as ``benchmarks/results/<date>_<commit>_<kind>.json``, points the ``attn`` and
 ``attn-extra`` blocks at the new attention file, and replaces the ``mimo``/``flint`` source of the
-same machine kind (GPU or CPU). ``--prune`` deletes the files under benchmarks/results/ that the
-page no longer cites.
+same machine kind (GPU or CPU). ``--prune`` deletes the files under benchmarks/results/ that no
+page cites any more.
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ import shutil
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PAGE = os.path.join(ROOT, "BENCHMARKS.md")
+PAGE = os.path.join(ROOT, "BENCHMARKS.md")  # the figures of record: one page
+EXPERIMENTS = os.path.join(ROOT, "docs", "EXPERIMENTS.md")  # design choices measured: A/B runs, losers
 RESULTS = "benchmarks/results"
 BLOCK = re.compile(r"<!-- BEGIN GENERATED (\S+)((?: \S+)*) -->\n.*?<!-- END GENERATED \1 -->", re.S)
 BASELINES = ("ncp", "flex+sink", "sdpa(no sink)")
@@ -496,33 +500,38 @@ def main(argv=None) -> int:
     ap.add_argument("--attn", default=None, help="attention JSON for the attn and attn-extra blocks")
     ap.add_argument("--mimo", action="append", default=None, help="MiMo JSON (repeat for several machines)")
     ap.add_argument("--flint", action="append", default=None, help="Flint JSON (repeat for several machines)")
-    ap.add_argument("--check", action="store_true", help="exit 1 if the page differs from its sources")
-    ap.add_argument("--prune", action="store_true", help="delete results files the page no longer cites")
-    ap.add_argument("--page", default=PAGE)
+    ap.add_argument("--check", action="store_true", help="exit 1 if a page differs from its sources")
+    ap.add_argument("--prune", action="store_true", help="delete results files no page cites")
+    ap.add_argument("--page", action="append", default=None, help="the page(s); default BENCHMARKS.md and docs/EXPERIMENTS.md")
     args = ap.parse_args(argv)
-    with open(args.page) as f:
-        page = f.read()
+    paths = args.page or [PAGE, EXPERIMENTS]
+    pages = {}
+    for path in paths:
+        with open(path) as f:
+            pages[path] = f.read()
     if args.check:
-        if render_page(page) != page:
-            print(f"render_records: {args.page} differs from its sources; run python benchmarks/render_records.py")
-            return 1
-        return 0
-    sources = import_run(args.run_dir, page) if args.run_dir else {}
+        bad = [path for path, text in pages.items() if render_page(text) != text]
+        for path in bad:
+            print(f"render_records: {path} differs from its sources; run python benchmarks/render_records.py")
+        return 1 if bad else 0
+    sources = import_run(args.run_dir, "\n".join(pages.values())) if args.run_dir else {}
     if args.attn:
         sources["attn"] = sources["attn-extra"] = [args.attn]
     for kind in ("mimo", "flint"):
         if getattr(args, kind):
             sources[kind] = getattr(args, kind)
-    page = render_page(page, sources)
-    with open(args.page, "w") as f:
-        f.write(page)
-    cited = {p for _, paths in blocks(page) for p in paths}
+    for path in pages:
+        pages[path] = render_page(pages[path], sources)
+        with open(path, "w") as f:
+            f.write(pages[path])
+    text = "\n".join(pages.values())
+    cited = {p for _, srcs in blocks(text) for p in srcs}
     stale = sorted(f"{RESULTS}/{n}" for n in os.listdir(os.path.join(ROOT, RESULTS))
-                   if f"{RESULTS}/{n}" not in cited and f"{RESULTS}/{n}" not in page)  # fmt: skip
+                   if f"{RESULTS}/{n}" not in cited and f"{RESULTS}/{n}" not in text)  # fmt: skip
     for path in stale:
         if args.prune:
             os.remove(os.path.join(ROOT, path))
-        print(f"render_records: {'removed' if args.prune else 'not cited by the page'}: {path}")
+        print(f"render_records: {'removed' if args.prune else 'not cited by a page'}: {path}")
     return 0
 
 
