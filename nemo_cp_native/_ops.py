@@ -15,7 +15,7 @@ from . import _C
 
 Fallback = _C.Fallback
 
-__all__ = ["Fallback", "build_info", "dl", "dl_named", "has_cuda", "stream_of"]
+__all__ = ["Fallback", "build_info", "capsules", "dl", "dl_named", "has_cuda", "stream_of"]
 
 
 def dl(t: torch.Tensor | None):
@@ -32,6 +32,18 @@ def dl_named(name: str, t: torch.Tensor | None):
     if t.device.type == "meta":
         raise ValueError(f"{name} is a meta tensor; nemo_cp_native needs real data on the CPU or a CUDA device")
     return to_dlpack(t)
+
+
+def capsules(named: dict) -> dict:
+    """``dl`` of every tensor of ``named`` (None stays None), as keyword arguments of a native call.
+    One try around all of them rather than a meta check per tensor (hot host paths); when DLPack
+    refuses one, ``dl_named`` says which argument it was."""
+    try:
+        return {key: None if t is None else to_dlpack(t) for key, t in named.items()}
+    except BufferError:
+        for key, t in named.items():
+            dl_named(key, t)
+        raise
 
 
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)

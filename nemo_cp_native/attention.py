@@ -26,9 +26,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from torch.utils.dlpack import to_dlpack
-
-from ._ops import _C, dl, dl_named, stream_of
+from ._ops import _C, capsules, dl, dl_named, stream_of
 
 __all__ = ["AttnMask", "SinkAttnFunc", "attn_backward", "attn_forward", "backward_is_deterministic", "sink_attention"]
 
@@ -55,17 +53,6 @@ class AttnMask:
         return {"row_lo": dl(self.row_lo), "row_hi": dl(self.row_hi)}
 
 
-def _capsules(named: dict) -> dict:
-    """``dl`` of every tensor of ``named`` (None stays None). One try around all of them, not a meta
-    check per tensor (the host path is hot); on failure, ``dl_named`` says which argument it was."""
-    try:
-        return {key: None if t is None else to_dlpack(t) for key, t in named.items()}
-    except BufferError:
-        for key, t in named.items():
-            dl_named(key, t)
-        raise
-
-
 def backward_is_deterministic() -> bool:
     """Whether the next backward must be bitwise repeatable: ``torch.use_deterministic_algorithms(True)``
     or ``NCP_DETERMINISTIC=1``. Otherwise the Hopper backward accumulates dq with atomic
@@ -84,7 +71,7 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, sink: Optional[Tensor], scale: float, 
     lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
     if q.shape[0] == 0:  # no query rows: nothing to compute (empty tensors carry NULL data pointers)
         return out, lse
-    caps = _capsules({"q": q, "k": k, "v": v, "sink": sink, "out": out, "lse": lse})
+    caps = capsules({"q": q, "k": k, "v": v, "sink": sink, "out": out, "lse": lse})
     _C.sink_attn_fwd(**caps, scale=scale, stream=stream_of(q.device), **mask.kwargs())
     return out, lse
 
@@ -106,7 +93,7 @@ def _bwd(dout, q, k, v, sink, out, lse, scale: float, mask: AttnMask):
                 _ws_bytes.clear()
             _ws_bytes[key] = nbytes
         ws = torch.empty(((nbytes + 3) // 4,), dtype=torch.float32, device=q.device)
-    caps = _capsules({"q": q, "k": k, "v": v, "out": out, "lse": lse, "dout": dout.contiguous(), "dq": dq, "dk": dk,
+    caps = capsules({"q": q, "k": k, "v": v, "out": out, "lse": lse, "dout": dout.contiguous(), "dq": dq, "dk": dk,
                       "dv": dv, "sink": sink, "dsink": dsink, "workspace": ws})  # fmt: skip
     _C.sink_attn_bwd(**caps, scale=scale, deterministic=det, stream=stream_of(q.device), **mask.kwargs())
     return dq, dk, dv, dsink
