@@ -426,6 +426,16 @@ PARTITION_CASES = [  # (id, batch factory, kwargs, dist mesh)
     ("sentinel_0", lambda: _b(seq_lens_padded=torch.tensor([[16, 0]] * 4)), {"seq_lens_padding_value": 0}, M2),
     ("sentinel_float", _b, {"seq_lens_padding_value": -1000.0}, M2),
     ("sentinel_beyond_int32", lambda: _b(seq_lens_padded=lambda t: t.int()), {"seq_lens_padding_value": 2**40}, M2),
+    # torch compares an int32 table with the sentinel cast to int32 (wrapped mod 2^32): -2^63 drops the
+    # zero lengths, 2^32 - 1000 drops the -1000 entries (fuzz seed 99173, mimo_helpers:44811)
+    ("sentinel_wraps_to_0", lambda: _b(seq_lens_padded=torch.tensor([[0, 16]] * 4, dtype=torch.int32)),
+     {"seq_lens_padding_value": -(2**63)}, M2),
+    ("sentinel_wraps_to_0_coverage", lambda: _b(seq_lens_padded=torch.tensor([[0, 4, 4]] * 4, dtype=torch.int32)),
+     {"seq_lens_padding_value": -(2**63)}, M2),
+    ("sentinel_wraps_to_-1000", lambda: _b(seq_lens_padded=torch.tensor([[8, -1000, 8]] * 4, dtype=torch.int32)),
+     {"seq_lens_padding_value": 2**32 - 1000}, M2),
+    ("sentinel_wraps_int64_table", lambda: _b(seq_lens_padded=torch.tensor([[8, -1000, 8]] * 4)),
+     {"seq_lens_padding_value": 2**32 - 1000}, M2),
     ("float_ids", lambda: _b(input_ids=lambda t: t.float()), {"cp_mesh": M2, "num_chunks": 2}, M2),
     ("float_padded", lambda: _b(seq_lens_padded=lambda t: t.float()), {}, M2),
     ("strided_padded", lambda: _b(seq_lens_padded=_S), {"num_chunks": 4}, M2),

@@ -71,16 +71,23 @@ static ncp_status fail_divisible(const int32_t *lens, int64_t n, int64_t divisor
     return st;
 }
 
+/* The sentinel as torch compares it with a table of dtype dt (`t != sentinel`): a Python int is cast
+ * to the tensor's integer dtype, so an int32 table meets it wrapped modulo 2^32. */
+static int64_t sentinel_in(ncp_dtype dt, int64_t sentinel) {
+    return dt == NCP_DT_I64 ? sentinel : (int64_t)ncp_wrap_i32((uint32_t)(uint64_t)sentinel);
+}
+
 /* Copies the non-sentinel entries of rows [r0, r1) of a (B, ncol) int32/int64 table with element
- * strides (st0, st1), widened to int64 (values and comparison as torch's after .to(int64)). */
+ * strides (st0, st1), widened to int64; the comparison is torch's in the table's own dtype. */
 static int64_t filter_rows(const void *tab, ncp_dtype dt, int64_t st0, int64_t st1, int64_t ncol, int64_t r0,
                            int64_t r1, int64_t sentinel, int64_t *out) {
+    const int64_t s = sentinel_in(dt, sentinel);
     int64_t n = 0;
     for (int64_t row = r0; row < r1; ++row)
         for (int64_t col = 0; col < ncol; ++col) {
             int64_t off = row * st0 + col * st1;
             int64_t v = dt == NCP_DT_I64 ? ((const int64_t *)tab)[off] : (int64_t)((const int32_t *)tab)[off];
-            if (v != sentinel) out[n++] = v;
+            if (v != s) out[n++] = v;
         }
     return n;
 }
@@ -153,11 +160,12 @@ static ncp_status framework_chunk(const int64_t *vl, int64_t n_r, const int64_t 
     ch->row = ch->emitted ? cu_pad : ch->cu_real;
     ch->row_len = (ch->emitted ? n_p : n_r) + 1;
     ch->max_real = max_diff_i32(ch->cu_real, n_r + 1);
-    if (W > 1) { /* max over the padded row with sentinel entries filtered out */
+    if (W > 1) { /* max over the padded (int32) row with sentinel entries filtered out */
+        const int32_t s32 = (int32_t)sentinel_in(NCP_DT_I32, sentinel);
         int32_t prev = 0, best = 0;
         int64_t kept = 0;
         for (int64_t i = 0; i < ch->row_len; ++i) {
-            if ((int64_t)ch->row[i] == sentinel) continue;
+            if (ch->row[i] == s32) continue;
             int32_t d = ncp_sub_wrap_i32(ch->row[i], prev);
             if (kept == 1 || (kept > 1 && d > best)) best = d;
             prev = ch->row[i];
