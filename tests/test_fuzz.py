@@ -77,6 +77,13 @@ def _job_plans(counts: dict[str, int], jobs: int) -> list[list[tuple[str, int, i
     return plans
 
 
+def _worker_env() -> dict:
+    """The workers' environment: the package beside these tests comes first on their path (an
+    editable install elsewhere must not stand in for it: test_sanitizers.py fuzzes a sanitized copy)."""
+    path = os.pathsep.join(p for p in (os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")) if p)
+    return dict(os.environ, PYTHONHASHSEED="0", OMP_NUM_THREADS="1", PYTHONPATH=path)
+
+
 def _run_job(seed: int, plan: list, out_dir: str, job: int) -> list[dict]:
     """Run ``plan`` in worker processes, restarting after each crash; returns the result records."""
     records, todo, restarts = [], list(plan), 0
@@ -85,8 +92,7 @@ def _run_job(seed: int, plan: list, out_dir: str, job: int) -> list[dict]:
         spec = ",".join(f"{f}:{s}:{c}" for f, s, c in todo)
         cmd = [sys.executable, "-X", "faulthandler", os.path.join(HERE, "_fuzz_worker.py"), "--seed", str(seed),
                "--plan", spec, "--out", path]  # fmt: skip
-        env = dict(os.environ, PYTHONHASHSEED="0", OMP_NUM_THREADS="1")
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=HERE, timeout=3600)
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=_worker_env(), cwd=HERE, timeout=3600)
         if "runtime error:" in proc.stderr or "Sanitizer" in proc.stderr:  # test_sanitizers.py reads them
             sys.stderr.write(proc.stderr)
         lines = []
@@ -187,6 +193,17 @@ def test_fuzz_volume(campaign):
         assert n >= MIN_CASES, n
     kinds = collections.Counter(r["k"] for r in campaign["records"])
     print(f"fuzz: {n} cases, {len(kinds)} kinds, {campaign['wall']:.1f}s, seed {campaign['seed']}")
+
+
+def test_workers_import_the_package_beside_the_tests():
+    """A worker (same command line, environment and directory as ``_run_job``'s) imports the
+    extension of the tree these tests belong to."""
+    probe = "import nemo_cp_native._C as c; print(c.__file__)"
+    out = subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {HERE!r}); {probe}"],
+                         capture_output=True, text=True, env=_worker_env(), cwd=HERE, timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    tree = os.path.realpath(os.path.dirname(HERE))
+    assert os.path.realpath(out.stdout.strip()).startswith(tree + os.sep), (out.stdout, tree)
 
 
 def test_crash_is_reported_and_the_rest_still_runs(tmp_path, monkeypatch):
