@@ -274,15 +274,16 @@ static void pass_outputs(const ncp_mimo_layout_params *p, const layout_ctx *x, n
         emit |= ch->emitted;
     }
     int64_t *buf = p->buf;
+    const int32_t pad = (int32_t)sentinel_in(NCP_DT_I32, p->sentinel); /* the stacked rows' fill, int32 */
     info->kernel_words = x->arrays0 + x->C * x->per_chunk;
     info->cu_off = info->kernel_words;
     info->cu_width = cu_width;
-    write_rows((int32_t *)(buf + info->cu_off), x->chunks, x->C, cu_width, x->W > 1, ncp_wrap_i32((uint32_t)p->sentinel));
+    write_rows((int32_t *)(buf + info->cu_off), x->chunks, x->C, cu_width, x->W > 1, pad);
     info->cup_off = info->cu_off + words_for_i32(x->C * cu_width);
     info->emit_padded = (x->W <= 1) && emit;
     info->cup_width = info->emit_padded ? cup_width : 0;
     if (info->emit_padded)
-        write_rows((int32_t *)(buf + info->cup_off), x->chunks, x->C, cup_width, 1, ncp_wrap_i32((uint32_t)p->sentinel));
+        write_rows((int32_t *)(buf + info->cup_off), x->chunks, x->C, cup_width, 1, pad);
     info->maxlen_off = info->cup_off + words_for_i32(x->C * info->cup_width);
     int32_t *maxlen = (int32_t *)(buf + info->maxlen_off);
     for (int64_t c = 0; c < x->C; ++c) maxlen[c] = x->W > 1 ? x->chunks[c].max_pad : x->chunks[c].max_real;
