@@ -93,6 +93,13 @@ __global__ void __launch_bounds__(kThreads, 1)
         l2[r] = i < p.Tq ? __ldg(p.lse + (int64_t)h * p.Tq + i) * kLog2e : 0.f;
         dl[r] = i < p.Tq ? __ldg(ws.delta + (int64_t)h * p.Tq + i) : 0.f;
     }
+    /* This warpgroup's 64 rows see the kv tiles [wr.kt_lo, wr.kt_hi] only: it skips the others
+     * (their P and dS are zero), after the wait on their stage, so it never arrives on a stage's
+     * empty barrier for a later fill before the other warpgroup arrived for this one. */
+    const int w0 = q0 + 64 * cw;
+    const bool has_rows = w0 < p.Tq;
+    q_tile_range wr{0, -1, 0, 0, 0};
+    if (has_rows) wr = q_range(mask, w0, 64, QKB);
     const float scale_log2 = (float)p.scale * kLog2e;
     float dq[D / 2];
 #pragma unroll
@@ -100,10 +107,14 @@ __global__ void __launch_bounds__(kThreads, 1)
     sm90::mbar_wait(bar.stat(), 0);
     for (int it = 0; it < n_it; ++it) {
         const int s = Ring::slot(it), kt = rng.kt_hi - it;
-        const bool full = full_cols(rng, kt * QKB, QKB, p.Tk);
         const uint32_t sK = sK0 + s * L::tile_bytes, sV = sV0 + s * L::tile_bytes;
-        float sc[QKB / 2], dp[QKB / 2];
         sm90::mbar_wait(bar.a(s), Ring::full_phase(it));
+        if (kt < wr.kt_lo || kt > wr.kt_hi) {
+            sm90::warp_arrive(bar.e(s));
+            continue;
+        }
+        const bool full = full_cols(wr, kt * QKB, QKB, p.Tk);
+        float sc[QKB / 2], dp[QKB / 2];
         sm90::gemm_ss<T, QKB, D>(sc, sQ + cw * 64 * 128, QQB * 128, sK, QKB * 128);
         sm90::mbar_wait(bar.b(s), Ring::full_phase(it));
         sm90::gemm_ss<T, QKB, D>(dp, sO + cw * 64 * 128, QQB * 128, sV, QKB * 128);

@@ -12,6 +12,11 @@
  *     one bulk asynchronous reduction (5 MMAs per item; the order of the additions, so the last
  *     bits of dq, vary from run to run).
  *   deterministic: no atomics; dQ comes from the dQ kernel (7 MMAs per item in all).
+ * A warpgroup none of whose 64 keys a row of the item sees (KeyVis::flags) skips
+ * the item: under a causal or windowed mask the first q tile that sees the CTA's keys sees only
+ * the low half, the last one of a window only the high half (2 of 10 warpgroup items for a window
+ * of 513). With D = 128 and atomic dQ the skipping warpgroup still zeroes its rows of dS^T and
+ * computes its dQ columns, which take the other warpgroup's keys.
  */
 #ifndef NCP_SINK_ATTN_SM90_BWD_DKDV_CUH
 #define NCP_SINK_ATTN_SM90_BWD_DKDV_CUH
@@ -48,18 +53,23 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
     __device__ __forceinline__ uint32_t sQ(int s) const { return base + L::a_off + s * L::tile_bytes; }
     __device__ __forceinline__ uint32_t sO(int s) const { return base + L::b_off + s * L::tile_bytes; }
 
-    /* S^T = K Q^T and dP^T = V dO^T of item it, issued asynchronously. */
+    /* Waits for item it's stage a (Q, lse, Delta, key bounds, flags) and returns this warpgroup's
+     * view of it: bit 0, whether a row of the item sees one of the warpgroup's keys (else the
+     * warpgroup skips the item: its P^T and dS^T are zero); bit 1, whether every row sees all of
+     * them (no mask pass). A skipping warpgroup still waits here, so it never arrives on a stage's
+     * empty barrier for a later fill before the other warpgroup arrived for this one. */
+    __device__ __forceinline__ uint32_t wait_item(int it) const {
+        const int s = Ring::slot(it);
+        sm90::mbar_wait(bar.a(s), Ring::full_phase(it));
+        return vis.flags(s, 64 * cw);
+    }
+    /* S^T = K Q^T and dP^T = V dO^T of item it (stage a waited: wait_item), issued asynchronously. */
     __device__ __forceinline__ void issue_sdp(float *st, float *dpt, int it) const {
         const int s = Ring::slot(it);
-        const uint32_t ph = Ring::full_phase(it);
-        sm90::mbar_wait(bar.a(s), ph);
         sm90::gemm_ss<T, KQB, D>(st, sK() + cw * 64 * 128, KVB * 128, sQ(s), KQB * 128);
-        sm90::mbar_wait(bar.b(s), ph);
+        sm90::mbar_wait(bar.b(s), Ring::full_phase(it));
         sm90::gemm_ss<T, KQB, D>(dpt, sV() + cw * 64 * 128, KVB * 128, sO(s), KQB * 128);
     }
-    /* Whether every (key, query) pair of item it is visible (no mask needed): from the stage's key
-     * bounds, after the wait on its a_full barrier (issue_sdp). */
-    __device__ __forceinline__ bool item_full(int it) const { return vis.all_visible(Ring::slot(it)); }
     /* P^T and dS^T of item it in place for accumulator column blocks [j0, j1); columns are queries
      * q0 + 8j + 2tq + c, rows the thread's two keys. */
     __device__ __forceinline__ void probs_cols(float *st, float *dpt, int it, bool full, int j0, int j1) const {
@@ -111,13 +121,18 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
     /* Deterministic mode: dV += P^T dO and dK += dS^T Q from registers. */
     __device__ __forceinline__ void run_det() {
         for (int it = 0; it < w.n_it; ++it) {
+            const uint32_t f = wait_item(it);
+            if (!(f & 1u)) { /* none of this warpgroup's keys is seen: nothing to add */
+                release(it);
+                continue;
+            }
             float st[KQB / 2], dpt[KQB / 2];
             uint32_t pf[KQB / 16][4], df[KQB / 16][4];
             issue_sdp(st, dpt, it);
             sm90::wg_wait<0>();
             sm90::fence_regs(st, KQB / 2);
             sm90::fence_regs(dpt, KQB / 2);
-            probs_cols(st, dpt, it, item_full(it), 0, KQB / 8);
+            probs_cols(st, dpt, it, f >> 1, 0, KQB / 8);
             to_frags<T, KQB>(pf, st);
             to_frags<T, KQB>(df, dpt);
             const int s = Ring::slot(it);
@@ -137,8 +152,8 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
 
     /* P^T into fragments and dS^T (keys x queries, 128B-swizzled rows of 64 queries) into shared
      * memory, 16 queries at a time to bound the live registers. */
-    __device__ __forceinline__ void probs_to_smem(float *st, float *dpt, uint32_t (*pf)[4], uint32_t sDS, int it) const {
-        const bool full = item_full(it);
+    __device__ __forceinline__ void probs_to_smem(float *st, float *dpt, uint32_t (*pf)[4], uint32_t sDS, int it,
+                                                  bool full) const {
 #pragma unroll
         for (int kk = 0; kk < KQB / 16; ++kk) {
             probs_cols(st, dpt, it, full, 2 * kk, 2 * kk + 2);
@@ -156,6 +171,24 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
         }
     }
 
+    /* dQ (this warpgroup's share) = dS K, issued asynchronously: D = 128, columns [64 cw, 64 cw + 64)
+     * over all KVB keys; D = 64, all columns over the warpgroup's own 64 keys. */
+    __device__ __forceinline__ void issue_dq(float *dq, uint32_t sDS, uint32_t sKcol, int key0) const {
+        constexpr int kDqKeys = D == 128 ? KVB : 64;
+#pragma unroll
+        for (int ks = 0; ks < kDqKeys / 16; ++ks)
+            sm90::wgmma<T, 64>::template ss<1, 1>(dq, sm90::desc_mnmajor(sDS + (key0 + 16 * ks) * 128, KQB * 128),
+                                                  sm90::desc_mnmajor(sKcol + ks * 16 * 128, KVB * 128), ks > 0);
+    }
+    /* Zeros this warpgroup's 64 key rows of a dS^T tile (rows of 128 bytes, swizzled within a row). */
+    __device__ __forceinline__ void zero_ds_rows(uint32_t sDS) const {
+        const uint32_t rows = sDS + 64 * cw * 128;
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+            asm volatile("st.shared.v4.b32 [%0], {%1, %1, %1, %1};\n" ::"r"(rows + 16u * ((threadIdx.x & 127) + 128 * i)),
+                         "r"(0u));
+    }
+
     /* Atomic-dQ mode. D = 128: warpgroup cw computes dQ columns [64 cw, 64 cw + 64) over all 128
      * keys, so both warpgroups' dS^T must be in shared memory (named barrier kDsBar); D = 64: each
      * warpgroup adds its own 64 keys' share of all 64 columns. dS^T is double-buffered: a
@@ -164,48 +197,64 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
      * is rewritten only after its leader thread waited for the previous reduction's reads. dq_accum
      * is (Hq, ceil(Tq / 64), D / 64, 4096) in fragment order (dq_frag_pos). */
     __device__ __forceinline__ void run_adq(float *dq_accum) {
-        constexpr int kDqKeys = D == 128 ? KVB : 64;
         const int key0 = D == 128 ? 0 : 64 * cw, cb = D == 128 ? cw : 0;
         const uint32_t sKcol = sK() + cb * KVB * 128 + key0 * 128;
         const uint32_t sStw = base + L::stage_off + cw * 64 * 64 * 4;
         const bool leader = (threadIdx.x & 127) == 0;
         const int n_qt = (p.Tq + KQB - 1) / KQB;
         for (int it = 0; it < w.n_it; ++it) {
-            float st[KQB / 2], dpt[KQB / 2]; /* per item: no loop-carried accumulator copies */
-            uint32_t pf[KQB / 16][4];
-            issue_sdp(st, dpt, it);
-            sm90::wg_wait<0>();
-            sm90::fence_regs(st, KQB / 2);
-            sm90::fence_regs(dpt, KQB / 2);
-            const uint32_t sDS = base + L::ds_off + (it & 1) * L::ds_bytes;
-            probs_to_smem(st, dpt, pf, sDS, it);
+            const uint32_t f = wait_item(it);
+            if (D == 64 && !(f & 1u)) { /* this warpgroup's share of dK, dV and dQ is zero */
+                release(it);
+                continue;
+            }
             const int s = Ring::slot(it);
-            sm90::fence_regs(dv, D / 2);
-            sm90::wg_fence();
-            sm90::rs_steps<T, D, KQB>(dv, pf, sO(s), KQB * 128); /* dV += P^T dO */
-            sm90::wg_commit();
-            sm90::fence_proxy_async_smem(); /* the generic-proxy stores above, before wgmma reads */
-            if (leader) sm90::bulk_wait_read<0>(); /* staging free once this barrier passes */
-            if (D == 128) sm90::named_sync(kDsBar, 256);
-            else sm90::named_sync(1 + cw, 128);
+            const uint32_t sDS = base + L::ds_off + (it & 1) * L::ds_bytes;
             float dq[32];
-            sm90::fence_regs(dk, D / 2);
-            sm90::fence_regs(dq, 32);
-            sm90::wg_fence();
+            /* Each branch waits for its MMAs before the paths merge (see the forward's note on C7515). */
+            if (f & 1u) {
+                float st[KQB / 2], dpt[KQB / 2]; /* per item: no loop-carried accumulator copies */
+                uint32_t pf[KQB / 16][4];
+                issue_sdp(st, dpt, it);
+                sm90::wg_wait<0>();
+                sm90::fence_regs(st, KQB / 2);
+                sm90::fence_regs(dpt, KQB / 2);
+                probs_to_smem(st, dpt, pf, sDS, it, f >> 1);
+                sm90::fence_regs(dv, D / 2);
+                sm90::wg_fence();
+                sm90::rs_steps<T, D, KQB>(dv, pf, sO(s), KQB * 128); /* dV += P^T dO */
+                sm90::wg_commit();
+                sm90::fence_proxy_async_smem(); /* the generic-proxy stores above, before wgmma reads */
+                if (leader) sm90::bulk_wait_read<0>(); /* staging free once this barrier passes */
+                if (D == 128) sm90::named_sync(kDsBar, 256);
+                else sm90::named_sync(1 + cw, 128);
+                sm90::fence_regs(dk, D / 2);
+                sm90::fence_regs(dq, 32);
+                sm90::wg_fence();
 #pragma unroll
-            for (int ks = 0; ks < KQB / 16; ++ks) /* dK += dS^T Q */
-                sm90::wgmma<T, D>::template ss<0, 1>(dk, sm90::desc_kmajor(sDS + 64 * cw * 128 + ks * 32),
-                                                     sm90::desc_mnmajor(sQ(s) + ks * 16 * 128, KQB * 128), 1);
-#pragma unroll
-            for (int ks = 0; ks < kDqKeys / 16; ++ks) /* dQ (this warpgroup's share) = dS K */
-                sm90::wgmma<T, 64>::template ss<1, 1>(dq, sm90::desc_mnmajor(sDS + (key0 + 16 * ks) * 128, KQB * 128),
-                                                      sm90::desc_mnmajor(sKcol + ks * 16 * 128, KVB * 128), ks > 0);
-            sm90::wg_commit();
-            sm90::wg_wait<0>();
-            sm90::fence_regs(dv, D / 2);
-            sm90::fence_regs(dk, D / 2);
-            sm90::fence_regs(dq, 32);
-            fence_frags(pf);
+                for (int ks = 0; ks < KQB / 16; ++ks) /* dK += dS^T Q */
+                    sm90::wgmma<T, D>::template ss<0, 1>(dk, sm90::desc_kmajor(sDS + 64 * cw * 128 + ks * 32),
+                                                         sm90::desc_mnmajor(sQ(s) + ks * 16 * 128, KQB * 128), 1);
+                issue_dq(dq, sDS, sKcol, key0);
+                sm90::wg_commit();
+                sm90::wg_wait<0>();
+                sm90::fence_regs(dv, D / 2);
+                sm90::fence_regs(dk, D / 2);
+                sm90::fence_regs(dq, 32);
+                fence_frags(pf);
+            } else { /* D = 128, none of this warpgroup's keys seen: its rows of dS^T are zero, and its
+                      * dQ columns still take the other warpgroup's keys */
+                zero_ds_rows(sDS);
+                sm90::fence_proxy_async_smem();
+                if (leader) sm90::bulk_wait_read<0>();
+                sm90::named_sync(kDsBar, 256);
+                sm90::fence_regs(dq, 32);
+                sm90::wg_fence();
+                issue_dq(dq, sDS, sKcol, key0);
+                sm90::wg_commit();
+                sm90::wg_wait<0>();
+                sm90::fence_regs(dq, 32);
+            }
             release(it);
 #pragma unroll
             for (int j = 0; j < 8; ++j)

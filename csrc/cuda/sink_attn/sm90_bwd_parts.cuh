@@ -37,7 +37,8 @@ using Ring = sm90::Ring<kStages>;
 /* Two stationary tiles of SR rows, kStages x two streamed tiles of TR rows, with DS (atomic-dQ
  * dK/dV kernel) two dS^T tiles of SR x TR and two 64 x 64 fp32 dQ staging tiles, the mbarriers,
  * then kStages x TR floats of lse * log2(e) and of Delta for the streamed q tiles, and kStages x
- * TR packed key bounds (key_bounds). */
+ * TR packed key bounds (key_bounds). The D = 128 atomic-dQ dK/dV layout fills the 227 KiB of an
+ * sm_90 block exactly. */
 template <int D, int SR, int TR, bool DS = false> struct Layout {
     static constexpr int stat_bytes = SR * D * 2;
     static constexpr int tile_bytes = TR * D * 2;
@@ -153,7 +154,8 @@ __device__ __forceinline__ void produce_dq(const q_tile_range &rng, int n_it, co
 
 /* For the mask pass of a partial dK/dV item: pair(s, col) loads the key bounds (key_bounds) of
  * columns col, col + 1 (col even) of the q tile in stage s; vis(bounds, r): whether the thread's
- * key k0 + krow + 8 r is seen by that column. */
+ * key k0 + krow + 8 r is seen by that column; flags(s, key0): how the item's rows see the 64 keys
+ * key0 .. key0 + 63 of the CTA (a warpgroup's). */
 struct KeyVis {
     uint32_t kb; /* shared-space address of the key bounds, [kStages][KQB] uint16 */
     int krow;
@@ -167,16 +169,20 @@ struct KeyVis {
         const int d = krow + 8 * r;
         return (int)(b & 0xffu) <= d && d < (int)((b >> 8) & 0xffu);
     }
-    /* Whether the item in stage s sees all its KQB x KVB pairs (no mask pass). The bounds are
-     * non-decreasing in the row (mask.cuh), so it is enough that the first row sees the CTA's
-     * last key and the last row its first key; rows past Tq (a = KVB) and keys past Tk (b < KVB)
-     * fail the test. Two shared loads, where the mask's own lo / hi are a binary search over the
-     * document table each. */
-    __device__ __forceinline__ bool all_visible(int s) const {
-        uint32_t first, last;
-        asm volatile("ld.shared.u16 %0, [%1];\n" : "=r"(first) : "r"(kb + 2u * (s * KQB)));
-        asm volatile("ld.shared.u16 %0, [%1];\n" : "=r"(last) : "r"(kb + 2u * (s * KQB + KQB - 1)));
-        return (first >> 8) == (uint32_t)KVB && (last & 0xffu) == 0u;
+    /* Bit 0: some row of the item in stage s sees one of the keys key0 .. key0 + 63; bit 1: every
+     * row sees all of them (no mask pass). Each lane tests two rows, the warp reduces; exact for
+     * any bounds (no monotonicity assumed; rows past Tq see nothing). */
+    __device__ __forceinline__ uint32_t flags(int s, int key0) const {
+        static_assert(KQB == 64, "a lane tests two rows");
+        const uint32_t b2 = pair(s, 2 * (threadIdx.x & 31));
+        uint32_t seen = 0, all = 1;
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+            const int a = (int)(b2 >> (16 * c) & 0xffu), b = (int)(b2 >> (16 * c + 8) & 0xffu);
+            seen |= a < b && a < key0 + 64 && b > key0 ? 1u : 0u;
+            all &= a <= key0 && b >= key0 + 64 ? 1u : 0u;
+        }
+        return __reduce_or_sync(0xffffffffu, seen) | __reduce_and_sync(0xffffffffu, all) << 1;
     }
 };
 
