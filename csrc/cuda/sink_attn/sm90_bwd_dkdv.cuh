@@ -53,12 +53,15 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
     __device__ __forceinline__ uint32_t sQ(int s) const { return base + L::a_off + s * L::tile_bytes; }
     __device__ __forceinline__ uint32_t sO(int s) const { return base + L::b_off + s * L::tile_bytes; }
 
-    /* Waits for item it's stage a (Q, lse, Delta, key bounds, flags) and returns this warpgroup's
-     * view of it: bit 0, whether a row of the item sees one of the warpgroup's keys (else the
-     * warpgroup skips the item: its P^T and dS^T are zero); bit 1, whether every row sees all of
-     * them (no mask pass). A skipping warpgroup still waits here, so it never arrives on a stage's
-     * empty barrier for a later fill before the other warpgroup arrived for this one. */
+    /* Waits for item it's stage a (Q, lse, Delta, key bounds) and returns this warpgroup's view of
+     * it: bit 0, whether a row of the item sees one of the warpgroup's keys (else the warpgroup
+     * skips the item: its P^T and dS^T are zero); bit 1, whether every row sees all of them (no
+     * mask pass). A skipping warpgroup still waits here, so it never arrives on a stage's empty
+     * barrier for a later fill before the other warpgroup arrived for this one. The loops ask for
+     * item it + 1 while item it's last MMAs run (the last item asks for itself again: its phase is
+     * complete and its stage not refilled), so the test is off the MMA issue path. */
     __device__ __forceinline__ uint32_t wait_item(int it) const {
+        it = min(it, w.n_it - 1);
         const int s = Ring::slot(it);
         sm90::mbar_wait(bar.a(s), Ring::full_phase(it));
         return vis.flags(s, 64 * cw);
@@ -120,10 +123,11 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
 
     /* Deterministic mode: dV += P^T dO and dK += dS^T Q from registers. */
     __device__ __forceinline__ void run_det() {
+        uint32_t f = wait_item(0);
         for (int it = 0; it < w.n_it; ++it) {
-            const uint32_t f = wait_item(it);
             if (!(f & 1u)) { /* none of this warpgroup's keys is seen: nothing to add */
                 release(it);
+                f = wait_item(it + 1);
                 continue;
             }
             float st[KQB / 2], dpt[KQB / 2];
@@ -142,6 +146,7 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
             sm90::rs_steps<T, D, KQB>(dv, pf, sO(s), KQB * 128);
             sm90::rs_steps<T, D, KQB>(dk, df, sQ(s), KQB * 128);
             sm90::wg_commit();
+            f = wait_item(it + 1);
             sm90::wg_wait<0>();
             sm90::fence_regs(dv, D / 2);
             sm90::fence_regs(dk, D / 2);
@@ -202,10 +207,11 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
         const uint32_t sStw = base + L::stage_off + cw * 64 * 64 * 4;
         const bool leader = (threadIdx.x & 127) == 0;
         const int n_qt = (p.Tq + KQB - 1) / KQB;
+        uint32_t f = wait_item(0);
         for (int it = 0; it < w.n_it; ++it) {
-            const uint32_t f = wait_item(it);
             if (D == 64 && !(f & 1u)) { /* this warpgroup's share of dK, dV and dQ is zero */
                 release(it);
+                f = wait_item(it + 1);
                 continue;
             }
             const int s = Ring::slot(it);
@@ -237,6 +243,7 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
                                                          sm90::desc_mnmajor(sQ(s) + ks * 16 * 128, KQB * 128), 1);
                 issue_dq(dq, sDS, sKcol, key0);
                 sm90::wg_commit();
+                f = wait_item(it + 1);
                 sm90::wg_wait<0>();
                 sm90::fence_regs(dv, D / 2);
                 sm90::fence_regs(dk, D / 2);
@@ -252,6 +259,7 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
                 sm90::wg_fence();
                 issue_dq(dq, sDS, sKcol, key0);
                 sm90::wg_commit();
+                f = wait_item(it + 1);
                 sm90::wg_wait<0>();
                 sm90::fence_regs(dq, 32);
             }
