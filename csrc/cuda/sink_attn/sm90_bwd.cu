@@ -11,7 +11,8 @@
  * walks the kv tiles of 64 keys the rows see (as the forward), streaming K and V:
  * S = Q K^T, dP = dO V^T, then dQ += dS K.
  * Both grids take their tiles longest first (the pre-pass ranks them; launch.h).
- * Instantiations: dK/dV 2 modes x 2 dtypes x 2 head dims x 2 masks, dQ 2 x 2 x 2.
+ * Instantiations: dK/dV 2 modes x 2 dtypes x 2 head dims x 3 (documents with and without a
+ * window, tables), dQ 2 x 2 x 3.
  * Test: pytest tests/test_sink_attention_cuda.py   Bench: python benchmarks/bench_sink_attention.py
  */
 #include "sm90_bwd_dkdv.cuh"
@@ -20,7 +21,12 @@ namespace ncp {
 namespace bwd90 {
 namespace {
 
-template <typename T, int D, bool ADQ, class Mask>
+/* Skipping warpgroup items (sm90_bwd_dkdv.cuh) pays under a window, not under a causal mask: a
+ * separate kernel each (dK/dV and dQ), so the causal kernels keep their code. Tables (CP) do not
+ * say whether they hold a window and keep the causal kernels. */
+inline bool skips_items(const ncp_sink_attn_params &p) { return p.mask.kind == NCP_MASK_DOCS && p.mask.window > 0; }
+
+template <typename T, int D, bool ADQ, class Mask, bool SKIP>
 __global__ void __launch_bounds__(kThreads, 1)
     bwd_dkdv_sm90_kernel(const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
                          const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_do,
@@ -49,15 +55,15 @@ __global__ void __launch_bounds__(kThreads, 1)
     Split::consumer();
     DkdvConsumer<T, D, ADQ> c(p, w, bar, base, s_l2, s_dl, s_kb, wg - 1);
     sm90::mbar_wait(bar.stat(), 0);
-    if constexpr (ADQ) c.run_adq(ws.dq_accum);
-    else c.run_det();
+    if constexpr (ADQ) c.template run_adq<SKIP>(ws.dq_accum);
+    else c.template run_det<SKIP>();
     c.store(b);
 #else
     __trap(); /* never launched: the dispatcher picks this kernel only on sm_90a builds and devices */
 #endif
 }
 
-template <typename T, int D, class Mask>
+template <typename T, int D, class Mask, bool SKIP>
 __global__ void __launch_bounds__(kThreads, 1)
     bwd_dq_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_do,
                        const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
@@ -93,13 +99,16 @@ __global__ void __launch_bounds__(kThreads, 1)
         l2[r] = i < p.Tq ? __ldg(p.lse + (int64_t)h * p.Tq + i) * kLog2e : 0.f;
         dl[r] = i < p.Tq ? __ldg(ws.delta + (int64_t)h * p.Tq + i) : 0.f;
     }
-    /* This warpgroup's 64 rows see the kv tiles [wr.kt_lo, wr.kt_hi] only: it skips the others
-     * (their P and dS are zero), after the wait on their stage, so it never arrives on a stage's
-     * empty barrier for a later fill before the other warpgroup arrived for this one. */
+    /* SKIP (as in the dK/dV kernel): this warpgroup's 64 rows take the kv tiles [wr.kt_lo,
+     * wr.kt_hi] only and skip the others (their P and dS are zero), after the wait on their stage,
+     * so it never arrives on a stage's empty barrier for a later fill before the other warpgroup
+     * arrived for this one; without SKIP wr is the CTA's range. */
     const int w0 = q0 + 64 * cw;
-    const bool has_rows = w0 < p.Tq;
-    q_tile_range wr{0, -1, 0, 0, 0};
-    if (has_rows) wr = q_range(mask, w0, 64, QKB);
+    q_tile_range wr = rng;
+    if constexpr (SKIP) {
+        wr = q_tile_range{0, -1, 0, 0, 0};
+        if (w0 < p.Tq) wr = q_range(mask, w0, 64, QKB);
+    }
     const float scale_log2 = (float)p.scale * kLog2e;
     float dq[D / 2];
 #pragma unroll
@@ -109,7 +118,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int s = Ring::slot(it), kt = rng.kt_hi - it;
         const uint32_t sK = sK0 + s * L::tile_bytes, sV = sV0 + s * L::tile_bytes;
         sm90::mbar_wait(bar.a(s), Ring::full_phase(it));
-        if (kt < wr.kt_lo || kt > wr.kt_hi) {
+        if (SKIP && (kt < wr.kt_lo || kt > wr.kt_hi)) {
             sm90::warp_arrive(bar.e(s));
             continue;
         }
@@ -171,11 +180,11 @@ __global__ void __launch_bounds__(256) dq_convert_kernel(const float *__restrict
     *reinterpret_cast<uint4 *>(dq + (int64_t)t * st + (int64_t)h * sh + c) = v;
 }
 
-template <typename T, int D, bool ADQ, class Mask> struct ic_dkdv {};
-template <typename T, int D, class Mask> struct ic_dq {};
+template <typename T, int D, bool ADQ, class Mask, bool SKIP> struct ic_dkdv {};
+template <typename T, int D, class Mask, bool SKIP> struct ic_dq {};
 
-template <typename T, int D, bool ADQ, class Mask>
-ncp_status launch_dkdv(const ncp_sink_attn_bwd_params &b, const bwd_workspace &ws, const attn_config &cfg,
+template <typename T, int D, bool ADQ, class Mask, bool SKIP>
+ncp_status launch_dkdv_t(const ncp_sink_attn_bwd_params &b, const bwd_workspace &ws, const attn_config &cfg,
                        cudaStream_t stream) {
     const ncp_sink_attn_params &p = b.f;
     CUtensorMap tk, tv, tq, tdo;
@@ -185,15 +194,23 @@ ncp_status launch_dkdv(const ncp_sink_attn_bwd_params &b, const bwd_workspace &w
     NCP_TRY(ncp_sm90_tensor_map(&tdo, b.dout, p.Tq, p.Hq, D, b.do_st, b.do_sh, KQB));
     NCP_ARG_CHECK(((int64_t)p.Tk + KVB - 1) / KVB <= 65535, "too many key tiles for one launch (Tk=%d)", p.Tk);
     constexpr int bytes = Layout<D, KVB, KQB, ADQ>::bytes;
-    auto kernel = bwd_dkdv_sm90_kernel<T, D, ADQ, Mask>;
-    NCP_TRY((sm90::kernel_setup<ic_dkdv<T, D, ADQ, Mask>, Split>(kernel, bytes, cfg.device)));
+    auto kernel = bwd_dkdv_sm90_kernel<T, D, ADQ, Mask, SKIP>;
+    NCP_TRY((sm90::kernel_setup<ic_dkdv<T, D, ADQ, Mask, SKIP>, Split>(kernel, bytes, cfg.device)));
     kernel<<<dim3(p.Hkv, (p.Tk + KVB - 1) / KVB), kThreads, bytes, stream>>>(tk, tv, tq, tdo, b, ws);
     NCP_CUDA_CHECK(cudaGetLastError());
     return NCP_OK;
 }
+template <typename T, int D, bool ADQ, class Mask>
+ncp_status launch_dkdv(const ncp_sink_attn_bwd_params &b, const bwd_workspace &ws, const attn_config &cfg,
+                       cudaStream_t stream) {
+    if constexpr (table_mask<Mask>()) return launch_dkdv_t<T, D, ADQ, Mask, false>(b, ws, cfg, stream);
+    else
+        return skips_items(b.f) ? launch_dkdv_t<T, D, ADQ, Mask, true>(b, ws, cfg, stream)
+                                : launch_dkdv_t<T, D, ADQ, Mask, false>(b, ws, cfg, stream);
+}
 
-template <typename T, int D, class Mask>
-ncp_status launch_dq(const ncp_sink_attn_bwd_params &b, const bwd_workspace &ws, const attn_config &cfg,
+template <typename T, int D, class Mask, bool SKIP>
+ncp_status launch_dq_t(const ncp_sink_attn_bwd_params &b, const bwd_workspace &ws, const attn_config &cfg,
                      cudaStream_t stream) {
     const ncp_sink_attn_params &p = b.f;
     CUtensorMap tq, tdo, tk, tv;
@@ -203,11 +220,19 @@ ncp_status launch_dq(const ncp_sink_attn_bwd_params &b, const bwd_workspace &ws,
     NCP_TRY(ncp_sm90_tensor_map(&tv, p.v, p.Tk, p.Hkv, D, p.v_st, p.v_sh, QKB));
     NCP_ARG_CHECK(((int64_t)p.Tq + QQB - 1) / QQB <= 65535, "too many query tiles for one launch (Tq=%d)", p.Tq);
     constexpr int bytes = Layout<D, QQB, QKB>::bytes;
-    auto kernel = bwd_dq_sm90_kernel<T, D, Mask>;
-    NCP_TRY((sm90::kernel_setup<ic_dq<T, D, Mask>, Split>(kernel, bytes, cfg.device)));
+    auto kernel = bwd_dq_sm90_kernel<T, D, Mask, SKIP>;
+    NCP_TRY((sm90::kernel_setup<ic_dq<T, D, Mask, SKIP>, Split>(kernel, bytes, cfg.device)));
     kernel<<<dim3(p.Hq, (p.Tq + QQB - 1) / QQB), kThreads, bytes, stream>>>(tq, tdo, tk, tv, b, ws);
     NCP_CUDA_CHECK(cudaGetLastError());
     return NCP_OK;
+}
+template <typename T, int D, class Mask>
+ncp_status launch_dq(const ncp_sink_attn_bwd_params &b, const bwd_workspace &ws, const attn_config &cfg,
+                     cudaStream_t stream) {
+    if constexpr (table_mask<Mask>()) return launch_dq_t<T, D, Mask, false>(b, ws, cfg, stream);
+    else
+        return skips_items(b.f) ? launch_dq_t<T, D, Mask, true>(b, ws, cfg, stream)
+                                : launch_dq_t<T, D, Mask, false>(b, ws, cfg, stream);
 }
 
 /* Deterministic: the dK/dV kernel, then the dQ kernel. Atomic dQ: zero the workspace, the dK/dV

@@ -12,11 +12,13 @@
  *     one bulk asynchronous reduction (5 MMAs per item; the order of the additions, so the last
  *     bits of dq, vary from run to run).
  *   deterministic: no atomics; dQ comes from the dQ kernel (7 MMAs per item in all).
- * A warpgroup none of whose 64 keys a row of the item sees (KeyVis::flags) skips
- * the item: under a causal or windowed mask the first q tile that sees the CTA's keys sees only
- * the low half, the last one of a window only the high half (2 of 10 warpgroup items for a window
- * of 513). With D = 128 and atomic dQ the skipping warpgroup still zeroes its rows of dS^T and
- * computes its dQ columns, which take the other warpgroup's keys.
+ * Skipping (SKIP, chosen per launch: documents with a window; docs/EXPERIMENTS.md): a warpgroup none
+ * of whose 64 keys a row of the item sees (KeyVis::flags) skips the item. Under a window the first
+ * q tile that sees the CTA's keys sees only their low half and the last one only the high half
+ * (2 of 10 warpgroup items for a window of 513); under a causal mask only the first, about 1 in 65
+ * at 8k, which does not pay for the per-item test. With D = 128 and atomic dQ the skipping
+ * warpgroup still zeroes its rows of dS^T and computes its dQ columns (they take the other
+ * warpgroup's keys).
  */
 #ifndef NCP_SINK_ATTN_SM90_BWD_DKDV_CUH
 #define NCP_SINK_ATTN_SM90_BWD_DKDV_CUH
@@ -121,21 +123,28 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
             for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(pf[kk][e])::"memory");
     }
 
+    /* Without skipping: item it's stage a waited at the top of its turn, and whether it needs the
+     * mask pass from the key bounds after its S and dP are done (as bit 1, like flags). */
+    __device__ __forceinline__ void wait_stage(int it) const { sm90::mbar_wait(bar.a(Ring::slot(it)), Ring::full_phase(it)); }
+    __device__ __forceinline__ uint32_t full_flags(int it) const { return 1u | (uint32_t)vis.all_visible(Ring::slot(it)) << 1; }
+
     /* Deterministic mode: dV += P^T dO and dK += dS^T Q from registers. */
-    __device__ __forceinline__ void run_det() {
-        uint32_t f = wait_item(0);
+    template <bool SKIP> __device__ __forceinline__ void run_det() {
+        uint32_t f = SKIP ? wait_item(0) : 1u;
         for (int it = 0; it < w.n_it; ++it) {
-            if (!(f & 1u)) { /* none of this warpgroup's keys is seen: nothing to add */
+            if (SKIP && !(f & 1u)) { /* none of this warpgroup's keys is seen: nothing to add */
                 release(it);
                 f = wait_item(it + 1);
                 continue;
             }
             float st[KQB / 2], dpt[KQB / 2];
             uint32_t pf[KQB / 16][4], df[KQB / 16][4];
+            if (!SKIP) wait_stage(it);
             issue_sdp(st, dpt, it);
             sm90::wg_wait<0>();
             sm90::fence_regs(st, KQB / 2);
             sm90::fence_regs(dpt, KQB / 2);
+            if (!SKIP) f = full_flags(it);
             probs_cols(st, dpt, it, f >> 1, 0, KQB / 8);
             to_frags<T, KQB>(pf, st);
             to_frags<T, KQB>(df, dpt);
@@ -146,7 +155,7 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
             sm90::rs_steps<T, D, KQB>(dv, pf, sO(s), KQB * 128);
             sm90::rs_steps<T, D, KQB>(dk, df, sQ(s), KQB * 128);
             sm90::wg_commit();
-            f = wait_item(it + 1);
+            if (SKIP) f = wait_item(it + 1);
             sm90::wg_wait<0>();
             sm90::fence_regs(dv, D / 2);
             sm90::fence_regs(dk, D / 2);
@@ -201,15 +210,15 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
      * other reaches after its dQ MMA of item it - 2 is done. The staging tile of the bulk reduction
      * is rewritten only after its leader thread waited for the previous reduction's reads. dq_accum
      * is (Hq, ceil(Tq / 64), D / 64, 4096) in fragment order (dq_frag_pos). */
-    __device__ __forceinline__ void run_adq(float *dq_accum) {
+    template <bool SKIP> __device__ __forceinline__ void run_adq(float *dq_accum) {
         const int key0 = D == 128 ? 0 : 64 * cw, cb = D == 128 ? cw : 0;
         const uint32_t sKcol = sK() + cb * KVB * 128 + key0 * 128;
         const uint32_t sStw = base + L::stage_off + cw * 64 * 64 * 4;
         const bool leader = (threadIdx.x & 127) == 0;
         const int n_qt = (p.Tq + KQB - 1) / KQB;
-        uint32_t f = wait_item(0);
+        uint32_t f = SKIP ? wait_item(0) : 1u;
         for (int it = 0; it < w.n_it; ++it) {
-            if (D == 64 && !(f & 1u)) { /* this warpgroup's share of dK, dV and dQ is zero */
+            if (SKIP && D == 64 && !(f & 1u)) { /* this warpgroup's share of dK, dV and dQ is zero */
                 release(it);
                 f = wait_item(it + 1);
                 continue;
@@ -218,13 +227,15 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
             const uint32_t sDS = base + L::ds_off + (it & 1) * L::ds_bytes;
             float dq[32];
             /* Each branch waits for its MMAs before the paths merge (see the forward's note on C7515). */
-            if (f & 1u) {
+            if (!SKIP || (f & 1u)) {
                 float st[KQB / 2], dpt[KQB / 2]; /* per item: no loop-carried accumulator copies */
                 uint32_t pf[KQB / 16][4];
+                if (!SKIP) wait_stage(it);
                 issue_sdp(st, dpt, it);
                 sm90::wg_wait<0>();
                 sm90::fence_regs(st, KQB / 2);
                 sm90::fence_regs(dpt, KQB / 2);
+                if (!SKIP) f = full_flags(it);
                 probs_to_smem(st, dpt, pf, sDS, it, f >> 1);
                 sm90::fence_regs(dv, D / 2);
                 sm90::wg_fence();
@@ -243,7 +254,7 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
                                                          sm90::desc_mnmajor(sQ(s) + ks * 16 * 128, KQB * 128), 1);
                 issue_dq(dq, sDS, sKcol, key0);
                 sm90::wg_commit();
-                f = wait_item(it + 1);
+                if (SKIP) f = wait_item(it + 1);
                 sm90::wg_wait<0>();
                 sm90::fence_regs(dv, D / 2);
                 sm90::fence_regs(dk, D / 2);

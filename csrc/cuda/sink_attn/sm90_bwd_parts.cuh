@@ -154,8 +154,9 @@ __device__ __forceinline__ void produce_dq(const q_tile_range &rng, int n_it, co
 
 /* For the mask pass of a partial dK/dV item: pair(s, col) loads the key bounds (key_bounds) of
  * columns col, col + 1 (col even) of the q tile in stage s; vis(bounds, r): whether the thread's
- * key k0 + krow + 8 r is seen by that column; flags(s, key0): how the item's rows see the 64 keys
- * key0 .. key0 + 63 of the CTA (a warpgroup's). */
+ * key k0 + krow + 8 r is seen by that column; all_visible(s): whether the item needs no mask pass;
+ * flags(s, key0): how the item's rows see the 64 keys key0 .. key0 + 63 of the CTA (a
+ * warpgroup's), for the consumers that skip. */
 struct KeyVis {
     uint32_t kb; /* shared-space address of the key bounds, [kStages][KQB] uint16 */
     int krow;
@@ -168,6 +169,16 @@ struct KeyVis {
     __device__ __forceinline__ bool operator()(uint32_t b, int r) const {
         const int d = krow + 8 * r;
         return (int)(b & 0xffu) <= d && d < (int)((b >> 8) & 0xffu);
+    }
+    /* Whether the item in stage s sees all its KQB x KVB pairs (no mask pass). The bounds are
+     * non-decreasing in the row (mask.cuh), so it is enough that the first row sees the CTA's
+     * last key and the last row its first key; rows past Tq (a = KVB) and keys past Tk (b < KVB)
+     * fail the test. */
+    __device__ __forceinline__ bool all_visible(int s) const {
+        uint32_t first, last;
+        asm volatile("ld.shared.u16 %0, [%1];\n" : "=r"(first) : "r"(kb + 2u * (s * KQB)));
+        asm volatile("ld.shared.u16 %0, [%1];\n" : "=r"(last) : "r"(kb + 2u * (s * KQB + KQB - 1)));
+        return (first >> 8) == (uint32_t)KVB && (last & 0xffu) == 0u;
     }
     /* Bit 0: some row of the item in stage s sees one of the keys key0 .. key0 + 63; bit 1: every
      * row sees all of them (no mask pass). Each lane tests two rows, the warp reduces; exact for
