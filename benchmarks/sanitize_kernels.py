@@ -27,8 +27,8 @@ from nemo_cp_native.testing import SimulatedGroup, attn_debug, simulate_cp_atten
 
 def attention():
     g = torch.Generator().manual_seed(0)
-    for d, dtype, hq, hkv, window, total in ((64, torch.bfloat16, 4, 2, 0, 333), (128, torch.float16, 8, 1, 100, 517),
-                                             (128, torch.bfloat16, 2, 2, 1, 190)):  # fmt: skip
+    for d, dtype, hq, hkv, window, total in ((64, torch.bfloat16, 4, 2, 0, 333), (64, torch.bfloat16, 4, 2, 45, 333),
+                                             (128, torch.float16, 8, 1, 100, 517), (128, torch.bfloat16, 2, 2, 1, 190)):  # fmt: skip
         lengths = doc_lengths(total, "random", mean=90, generator=g)
         c = make_attention_case(lengths, hq, hkv, d, dtype=dtype, device="cuda", generator=g, requires_grad=True)
         out = ncp.sink_attention(c["q"], c["k"], c["v"], c["sink"], c["cu_seqlens"], window=window)
