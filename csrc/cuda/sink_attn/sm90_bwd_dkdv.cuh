@@ -243,7 +243,8 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
                 sm90::wg_commit();
                 sm90::fence_proxy_async_smem(); /* the generic-proxy stores above, before wgmma reads */
                 if (leader) sm90::bulk_wait_read<0>(); /* staging free once this barrier passes */
-                if (D == 128) sm90::named_sync(kDsBar, 256);
+                if (D == 128 && SKIP) sm90::named_sync_unaligned(kDsBar, 256); /* also reached from the branch below */
+                else if (D == 128) sm90::named_sync(kDsBar, 256);
                 else sm90::named_sync(1 + cw, 128);
                 sm90::fence_regs(dk, D / 2);
                 sm90::fence_regs(dq, 32);
@@ -265,7 +266,7 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
                 zero_ds_rows(sDS);
                 sm90::fence_proxy_async_smem();
                 if (leader) sm90::bulk_wait_read<0>();
-                sm90::named_sync(kDsBar, 256);
+                sm90::named_sync_unaligned(kDsBar, 256);
                 sm90::fence_regs(dq, 32);
                 sm90::wg_fence();
                 issue_dq(dq, sDS, sKcol, key0);

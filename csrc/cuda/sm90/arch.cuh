@@ -155,6 +155,11 @@ template <int N> __device__ __forceinline__ void reg_dealloc() {
 __device__ __forceinline__ void named_sync(int id, int threads) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
+/* named_sync for warps that reach the barrier at different instructions (bar.sync is
+ * barrier.sync.aligned: every thread must execute the same instruction). */
+__device__ __forceinline__ void named_sync_unaligned(int id, int threads) {
+    asm volatile("barrier.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
 /* Counts the calling warps toward barrier `id` without waiting for it. */
 __device__ __forceinline__ void named_arrive(int id, int threads) {
     asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
