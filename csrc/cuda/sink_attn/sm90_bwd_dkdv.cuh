@@ -128,6 +128,17 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
     __device__ __forceinline__ void wait_stage(int it) const { sm90::mbar_wait(bar.a(Ring::slot(it)), Ring::full_phase(it)); }
     __device__ __forceinline__ uint32_t full_flags(int it) const { return 1u | (uint32_t)vis.all_visible(Ring::slot(it)) << 1; }
 
+    /* S^T and dP^T of item it, done (without SKIP the stage is waited here); returns the item's
+     * flags: f as given with SKIP (wait_item), else from the key bounds (full_flags). */
+    template <bool SKIP> __device__ __forceinline__ uint32_t sdp(float *st, float *dpt, int it, uint32_t f) const {
+        if (!SKIP) wait_stage(it);
+        issue_sdp(st, dpt, it);
+        sm90::wg_wait<0>();
+        sm90::fence_regs(st, KQB / 2);
+        sm90::fence_regs(dpt, KQB / 2);
+        return SKIP ? f : full_flags(it);
+    }
+
     /* Deterministic mode: dV += P^T dO and dK += dS^T Q from registers. */
     template <bool SKIP> __device__ __forceinline__ void run_det() {
         uint32_t f = SKIP ? wait_item(0) : 1u;
@@ -139,12 +150,7 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
             }
             float st[KQB / 2], dpt[KQB / 2];
             uint32_t pf[KQB / 16][4], df[KQB / 16][4];
-            if (!SKIP) wait_stage(it);
-            issue_sdp(st, dpt, it);
-            sm90::wg_wait<0>();
-            sm90::fence_regs(st, KQB / 2);
-            sm90::fence_regs(dpt, KQB / 2);
-            if (!SKIP) f = full_flags(it);
+            f = sdp<SKIP>(st, dpt, it, f);
             probs_cols(st, dpt, it, f >> 1, 0, KQB / 8);
             to_frags<T, KQB>(pf, st);
             to_frags<T, KQB>(df, dpt);
@@ -230,12 +236,7 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
             if (!SKIP || (f & 1u)) {
                 float st[KQB / 2], dpt[KQB / 2]; /* per item: no loop-carried accumulator copies */
                 uint32_t pf[KQB / 16][4];
-                if (!SKIP) wait_stage(it);
-                issue_sdp(st, dpt, it);
-                sm90::wg_wait<0>();
-                sm90::fence_regs(st, KQB / 2);
-                sm90::fence_regs(dpt, KQB / 2);
-                if (!SKIP) f = full_flags(it);
+                f = sdp<SKIP>(st, dpt, it, f);
                 probs_to_smem(st, dpt, pf, sDS, it, f >> 1);
                 sm90::fence_regs(dv, D / 2);
                 sm90::wg_fence();
