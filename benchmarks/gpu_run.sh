@@ -10,9 +10,10 @@
 #   OUT=/tmp/out NCP_COMMIT=<sha> bash benchmarks/gpu_run.sh [stage ...]
 # Set NCP_COMMIT from the machine that holds the repository: the device tool's copy of .git can be
 # stale, so `git rev-parse` run there may name an older commit than the tree it copied.
-# stages: build baseline test sanitize probe profile kernels attn ab order host mimo flint demo all (default: all; order:
+# stages: build baseline test sanitize probe profile kernels attn ab order host mimo profmimo flint demo all (default: all; order:
 # bench_bwd_order.py, atomic and deterministic, ORDER_ARGS; probe: the
-# racecheck mbarrier probe, profile: Nsight Compute on named kernels, PROF_RUNS, PROF_ENV;
+# racecheck mbarrier probe, profile: Nsight Compute on named kernels, PROF_RUNS, PROF_ENV; profmimo:
+# benchmarks/profile_mimo.py;
 # neither is part of all; baseline builds the tree in .baseline/ (carry it: an older commit's source,
 # e.g. `git archive c355efb csrc nemo_cp_native setup.py pyproject.toml | tar -x -C .baseline`) beside
 # the main build, and ab times both builds round robin with benchmarks/ab_attention.py, AB_ARGS;
@@ -135,6 +136,11 @@ fi
 if want mimo; then
   $PY benchmarks/bench_mimo_shard.py --device cuda ${MIMO_ARGS:-} --json "$OUT/bench_mimo.json" >> "$SUM" 2>&1
   note "bench_mimo_shard exit $?"
+fi
+
+if [[ " $STAGES " == *" profmimo "* ]]; then  # only when named: where the MiMo call's wall time goes
+  $PY benchmarks/profile_mimo.py >> "$SUM" 2>&1
+  note "profile_mimo exit $?"
 fi
 
 if want flint; then

@@ -1,0 +1,103 @@
+"""Where the wall time of one native MiMo sharder call goes (issue 16), on the GPU machine.
+
+The bench's headline (``bench_mimo_shard.py``) times a call plus a device sync on an idle GPU.
+This splits that figure, B = 8 rows of S = 32768 tokens, cp = 8, rank 3, ``seq_lens*`` on the host:
+
+- floors of this host: ``torch.cuda.synchronize()`` on an idle GPU, an empty-kernel launch + sync;
+- the whole call: wall time with the sync, and host time behind a queued GPU spin;
+- the one ``_C.mimo_run`` alone on prepared arguments: host time behind a spin, and wall with sync;
+- the Python around it (``torch.empty`` of the outputs, DLPack capsules, the output views);
+- the device side from ``torch.profiler``: the staged copy and the fused kernel, per call.
+
+A profiling tool, not a benchmark of record.
+
+    python benchmarks/profile_mimo.py [--chunks 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [_HERE, os.path.dirname(_HERE)]
+from bench_mimo_shard import IMG, VID, _pass_fn  # noqa: E402
+
+from nemo_cp_native import mimo as nat  # noqa: E402
+from nemo_cp_native.testing import fake_mesh, make_mimo_batch  # noqa: E402
+
+
+def wall_us(fn, reps=200):
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter_ns()
+        fn()
+        torch.cuda.synchronize()
+        ts.append((time.perf_counter_ns() - t0) / 1e3)
+    return round(statistics.median(ts), 1)
+
+
+def host_us(fn, reps=100):
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        torch.cuda._sleep(2_000_000)
+        t0 = time.perf_counter_ns()
+        fn()
+        ts.append((time.perf_counter_ns() - t0) / 1e3)
+        torch.cuda.synchronize()
+    return round(statistics.median(ts), 1)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--chunks", type=int, nargs="+", default=[1, 4])
+    args = ap.parse_args()
+    empty = torch.empty(1, device="cuda")
+    print(f"floor: torch.cuda.synchronize() idle {wall_us(lambda: None)} us; "
+          f"empty_like launch + sync {wall_us(lambda: empty.zero_())} us")  # fmt: skip
+    for C in args.chunks:
+        g = torch.Generator().manual_seed(0)
+        batch = make_mimo_batch(8, 32768, num_chunks=C, cp_size=8, docs_per_row=(16, 64), image_token_id=IMG,
+                                video_token_id=VID, generator=g, device="cuda")  # fmt: skip
+        batch = {k: v.cpu() if k in ("seq_lens", "seq_lens_padded") else v for k, v in batch.items()}
+        with fake_mesh(8, 3) as mesh:
+            def call():
+                return nat.shard_batch_for_mimo_te(mesh, None, dict(batch), num_chunks=C, image_token_id=IMG,
+                                                   video_token_id=VID)  # fmt: skip
+
+            run = _pass_fn(batch, C, 8, 3)
+            ids = batch["input_ids"]
+            rows = {
+                "call: wall with sync": wall_us(call),
+                "call: host behind spin": host_us(call),
+                "_C.mimo_run alone: wall with sync": wall_us(run),
+                "_C.mimo_run alone: host behind spin": host_us(run),
+                "torch.empty(out, cuda)": host_us(lambda: torch.empty(300_000, dtype=torch.int64, device="cuda")),
+                "6 to_dlpack (cuda tensors)": host_us(lambda: [torch.utils.dlpack.to_dlpack(ids) for _ in range(6)]),
+            }
+            for name, us in rows.items():
+                print(f"C={C} {name:40s} {us:8.1f} us")
+            call()
+            torch.cuda.synchronize()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                    torch.profiler.ProfilerActivity.CUDA]) as prof:  # fmt: skip
+                for _ in range(20):
+                    call()
+                torch.cuda.synchronize()
+            print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=8))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
