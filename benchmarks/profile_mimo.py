@@ -6,8 +6,7 @@ This splits that figure, B = 8 rows of S = 32768 tokens, cp = 8, rank 3, ``seq_l
 - floors of this host: ``torch.cuda.synchronize()`` on an idle GPU, an empty-kernel launch + sync;
 - the whole call: wall time with the sync, and host time behind a queued GPU spin;
 - the one ``_C.mimo_run`` alone on prepared arguments: host time behind a spin, and wall with sync;
-- the Python around it (``torch.empty`` of the outputs, DLPack capsules, the output views);
-- the device side from ``torch.profiler``: the staged copy and the fused kernel, per call.
+- pieces of the Python around it (``torch.empty`` of the output buffer, DLPack capsules).
 
 A profiling tool, not a benchmark of record.
 
@@ -88,14 +87,6 @@ def main() -> int:
             }
             for name, us in rows.items():
                 print(f"C={C} {name:40s} {us:8.1f} us")
-            call()
-            torch.cuda.synchronize()
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                    torch.profiler.ProfilerActivity.CUDA]) as prof:  # fmt: skip
-                for _ in range(20):
-                    call()
-                torch.cuda.synchronize()
-            print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=8))
     return 0
 
 

@@ -38,7 +38,9 @@ class AttnMask:
     Documents (single device): ``cu_seqlens`` (int32 boundaries) and ``window``; query i and key j
     sit at stream position i and j, ``lo(i) = max(doc_start(i), i - window + 1)``, ``hi(i) = i``.
     Table (context parallelism): ``row_lo`` / ``row_hi`` (int32 ``[Tq]``), rows of the K/V buffer
-    sorted by global position (built by the Flint plan).
+    sorted by global position (built by the Flint plan); ``window`` is then the window the table was
+    built with, a hint (0: none) that picks the Hopper backward kernels which skip the work a window
+    leaves out. The results do not depend on it.
     """
 
     cu_seqlens: Optional[Tensor] = None
@@ -50,7 +52,7 @@ class AttnMask:
         """The mask's fields as keyword arguments of the native entry points."""
         if self.cu_seqlens is not None:
             return {"cu_seqlens": dl_named("cu_seqlens", self.cu_seqlens), "window": self.window}
-        return {"row_lo": dl(self.row_lo), "row_hi": dl(self.row_hi)}
+        return {"row_lo": dl(self.row_lo), "row_hi": dl(self.row_hi), "window": self.window}
 
 
 def backward_is_deterministic() -> bool:

@@ -166,7 +166,7 @@ class MagiAttentionKey:
                 buf = _expand(_runs(self.runs), self.table_off[-1], device, keep)
                 t = {name: buf[self.table_off[i] : self.table_off[i + 1]] for i, name in enumerate(_TABLES)}
             self._cache[key] = {
-                "mask": AttnMask(row_lo=t["row_lo"], row_hi=t["row_hi"]),
+                "mask": AttnMask(row_lo=t["row_lo"], row_hi=t["row_hi"], window=self.window),
                 **{name: t[name] for name in _DEVICE_TABLES},
                 "_pinned": keep,
             }

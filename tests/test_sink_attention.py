@@ -292,6 +292,25 @@ def _table_case(g, tq, tk, hq, hkv, d, dtype, all_empty=False):
     return c["q"], kc["k"], kc["v"], c["sink"], mask, seen
 
 
+def test_table_window_hint_changes_nothing_and_is_checked(ncp_seed):
+    """A table's ``window`` is a kernel-choice hint: the same outputs and gradients bit for bit with
+    and without it, and a negative one is a ValueError naming it."""
+    import dataclasses
+
+    g = _gen(ncp_seed)
+    q, k, v, s, mask, _ = _table_case(g, 90, 70, 4, 2, 16, torch.bfloat16)
+    hinted = dataclasses.replace(mask, window=17)
+    out, lse = attn_forward(q, k, v, s, mask, 0.25)
+    out_h, lse_h = attn_forward(q, k, v, s, hinted, 0.25)
+    assert torch.equal(out, out_h) and torch.equal(lse, lse_h)
+    dout = torch.randn(out.shape, generator=g).to(out.dtype)
+    grads = attn_backward(dout, q, k, v, s, out, lse, mask, 0.25)
+    grads_h = attn_backward(dout, q, k, v, s, out, lse, hinted, 0.25)
+    assert all(torch.equal(a, b) for a, b in zip(grads, grads_h))
+    with pytest.raises(ValueError, match="window must be >= 0"):
+        attn_forward(q, k, v, s, dataclasses.replace(mask, window=-1), 0.25)
+
+
 @pytest.mark.parametrize("all_empty", [False, True])
 @pytest.mark.parametrize("sink", [True, False])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

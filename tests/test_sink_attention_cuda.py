@@ -124,9 +124,9 @@ def test_cuda_no_sink_and_length_one_documents(ncp_seed, kernel):
 # ------------------------------------------------------------------------------------------
 
 
-def _table_case(g, tq, tk, hq, hkv, d, empty_tiles=()):
+def _table_case(g, tq, tk, hq, hkv, d, empty_tiles=(), hint=0):
     """Non-decreasing row bounds with empty rows (lo > hi) and keys nobody sees; whole query tiles
-    of 128 rows listed in empty_tiles see nothing."""
+    of 128 rows listed in empty_tiles see nothing. ``hint``: the table's window hint (kernel choice)."""
     lo = torch.randint(0, 3 * tk // 4, (tq,), generator=g).sort().values
     hi = (lo + torch.randint(-8, tk // 4, (tq,), generator=g)).clamp(-1, tk - 1).cummax(0).values
     for t in empty_tiles:  # keep both bounds non-decreasing: rows see nothing between neighbours
@@ -134,7 +134,7 @@ def _table_case(g, tq, tk, hq, hkv, d, empty_tiles=()):
         hi[a:b] = hi[a - 1] if a > 0 else -1
         lo[a:b] = torch.maximum(lo[a:b], hi[a:b] + 1)
         lo = lo.cummax(0).values
-    mask = AttnMask(row_lo=lo.to(torch.int32).to(DEV), row_hi=hi.to(torch.int32).to(DEV))
+    mask = AttnMask(row_lo=lo.to(torch.int32).to(DEV), row_hi=hi.to(torch.int32).to(DEV), window=hint)
     c = make_attention_case([tq], hq, hkv, d, device=DEV, generator=g)
     kc = make_attention_case([tk], hkv, hkv, d, device=DEV, generator=g)
     j = torch.arange(tk)
@@ -142,13 +142,15 @@ def _table_case(g, tq, tk, hq, hkv, d, empty_tiles=()):
     return c["q"], kc["k"], kc["v"], c["sink"], mask, seen
 
 
+@pytest.mark.parametrize("hint", [0, 257], ids=["nohint", "window_hint"])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("sink", [True, False])
-def test_cuda_table_mask_matches_oracle(d, sink, ncp_seed, kernel):
+def test_cuda_table_mask_matches_oracle(d, sink, hint, ncp_seed, kernel):
     """The CP mask on every kernel: out, lse, dq, dk, dv, dsink against the float64 oracle, with
-    rows and whole query tiles that see no key (out 0, lse = sink or -inf, zero gradients)."""
+    rows and whole query tiles that see no key (out 0, lse = sink or -inf, zero gradients). With a
+    window hint the Hopper backward takes its skipping kernels, on the same (arbitrary) table."""
     g = torch.Generator().manual_seed(ncp_seed)
-    q, k, v, s, mask, seen = _table_case(g, 128 * 7 - 37, 900, 8, 2, d, empty_tiles=(1, 2, 4))
+    q, k, v, s, mask, seen = _table_case(g, 128 * 7 - 37, 900, 8, 2, d, empty_tiles=(1, 2, 4), hint=hint)
     s = s if sink else None
     scale = d**-0.5
     out, lse = attn_forward(q, k, v, s, mask, scale)

@@ -91,6 +91,7 @@ static ncp_status mask_fields(const ncp_attn_args *a, int64_t Tq, ncp_sink_attn_
         p->mask.window = a->window;
         return NCP_OK;
     }
+    p->mask.window = a->window; /* a table's window: a kernel-choice hint (ncp.h) */
     const int64_t nq[1] = {Tq};
     NCP_TRY(want(&a->row_lo, "row_lo", 1, 2));
     NCP_TRY(want(&a->row_hi, "row_hi", 1, 2));
@@ -249,6 +250,7 @@ ncp_status ncp_sink_attn_validate(const ncp_sink_attn_params *p, int on_cuda) {
         NCP_ARG_CHECK(m->window >= 0, "window must be >= 0; got %" PRId32, m->window);
     } else {
         NCP_ARG_CHECK(m->kind == NCP_MASK_TABLE, "mask kind must be NCP_MASK_DOCS or NCP_MASK_TABLE; got %d", (int)m->kind);
+        NCP_ARG_CHECK(m->window >= 0, "window must be >= 0; got %" PRId32, m->window);
         NCP_ARG_CHECK(p->Tq == 0 || (m->row_lo != NULL && m->row_hi != NULL), "a table mask needs row_lo and row_hi");
     }
     return NCP_OK;

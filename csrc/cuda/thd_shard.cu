@@ -7,9 +7,13 @@
  *                          the framework's (starts, reals) tables; ids/labels/positions gathered and
  *                          widened to int64 (cp > 1); for global token g of chunk c: both media
  *                          masks. One launch, grid-stride, no host sync.
- *   ncp_mimo_run_cuda      one whole sharder call: the host layout pass written into a pinned
- *                          staging slot, one cudaMemcpyAsync of it into the output buffer, one
- *                          event, then mimo_shard_kernel; all on the caller's stream.
+ *   ncp_mimo_run_cuda      one whole sharder call. Metadata on the host (the layout block's int32
+ *                          outputs stay there) and a kernel table of at most 30 KiB: the host pass
+ *                          writes the host block and the table rides in the launch's parameters
+ *                          (mimo_shard_param_kernel): one driver call in all. Otherwise the host
+ *                          pass (or the table) goes into a pinned staging slot, one
+ *                          cudaMemcpyAsync of it into the output buffer, one event, then
+ *                          mimo_shard_kernel; all on the caller's stream.
  *
  * Staging ring: pinned host slots owned by this file, per device, reused only once the event
  * recorded after their copy has completed (cudaEventQuery, never a wait), so a call never blocks
@@ -68,7 +72,9 @@ __device__ __forceinline__ bool eq_token(int64_t v, ncp_dtype dt, int64_t id) {
     return dt == NCP_DT_I64 ? v == id : (int32_t)v == (int32_t)id;
 }
 
-__global__ void mimo_shard_kernel(ncp_mimo_shard_params p, int64_t Tc, int64_t L) {
+/* The fused pass; `table` is p.table (global memory) or the kernel-parameter copy of it. */
+__device__ __forceinline__ void mimo_shard_body(const ncp_mimo_shard_params &p, const int64_t *__restrict__ table,
+                                                int64_t Tc, int64_t L) {
     const int64_t rpc = p.B / p.num_chunks, C = p.num_chunks;
     const int64_t n_mask = (p.has_image || p.has_video) ? C * Tc : 0, n_local = C * L;
     const int64_t n = n_mask > n_local ? n_mask : n_local;
@@ -81,16 +87,16 @@ __global__ void mimo_shard_kernel(ncp_mimo_shard_params p, int64_t Tc, int64_t L
         }
         if (i < n_local) { /* local slot t of chunk c */
             const int64_t c = i / L, t = i - c * L;
-            const int64_t *desc = p.table + 1 + NCP_MIMO_DESC * c;
+            const int64_t *desc = table + 1 + NCP_MIMO_DESC * c;
             const int64_t cu_off = desc[0], n_cu = desc[1], st_off = desc[2], n_slots = desc[3];
             const int64_t re_off = desc[4], n_reals = desc[5], same_docs = desc[6];
             int64_t doc = 0;
-            const int64_t g = p.cp_size > 1 ? ncp_te_src_index_doc((const int32_t *)(p.table + cu_off), (int32_t)n_cu,
+            const int64_t g = p.cp_size > 1 ? ncp_te_src_index_doc((const int32_t *)(table + cu_off), (int32_t)n_cu,
                                                                     t, p.cp_size, p.cp_rank, &doc)
                                             : t;
             p.out_local[i] = g;
             if (p.out_pad != nullptr) /* one search per slot on validated layouts (same_docs) */
-                p.out_pad[i] = ncp_mimo_is_padding(p.table + st_off, n_slots, p.table + re_off, n_reals, g, doc,
+                p.out_pad[i] = ncp_mimo_is_padding(table + st_off, n_slots, table + re_off, n_reals, g, doc,
                                                    same_docs);
             if (p.out_ids != nullptr) {
                 p.out_ids[i] = load_int(p.input_ids, p.ids_dt, token_off(c, rpc, p.S, g, p.ids_st0, p.ids_st1));
@@ -100,6 +106,23 @@ __global__ void mimo_shard_kernel(ncp_mimo_shard_params p, int64_t Tc, int64_t L
             }
         }
     }
+}
+
+__global__ void mimo_shard_kernel(ncp_mimo_shard_params p, int64_t Tc, int64_t L) { mimo_shard_body(p, p.table, Tc, L); }
+
+/* The kernel table passed by value (kernel parameters may take 32764 bytes from CUDA 12.1 on
+ * sm_70+): a call with a small table needs no staging copy, no event and no slot, only the launch.
+ * __grid_constant__: the table is read in place (parameter space), never copied per thread. */
+constexpr int kParamTableWords = 3840; /* 30 KiB; with the other parameters under 32764 bytes */
+struct ParamTable {
+    int64_t w[kParamTableWords];
+};
+static_assert(sizeof(ParamTable) + sizeof(ncp_mimo_shard_params) + 2 * sizeof(int64_t) <= 32764,
+              "kernel parameters above the 32764-byte limit");
+
+__global__ void mimo_shard_param_kernel(ncp_mimo_shard_params p, int64_t Tc, int64_t L,
+                                        const __grid_constant__ ParamTable table) {
+    mimo_shard_body(p, table.w, Tc, L);
 }
 
 /* ---------------------------------------------------------------------------------------- */
@@ -239,18 +262,38 @@ extern "C" ncp_status ncp_mimo_shard_cuda(const ncp_mimo_shard_params *p, void *
 
 extern "C" ncp_status ncp_mimo_run_cuda(ncp_mimo_run_params *p, ncp_mimo_layout_info *info, void *stream) {
     NCP_TRY(ncp_mimo_run_prepare(p));
+    if (p->host != nullptr) { /* metadata on the host: the layout goes straight into host */
+        p->layout.buf = p->host;
+        NCP_TRY(ncp_mimo_layout(&p->layout, info));
+        const ncp_mimo_shard_params &sp = p->shard;
+        if (info->kernel_words <= ncp::kParamTableWords) { /* the table rides in the launch */
+            NCP_TRY(ncp_mimo_shard_check(&sp));
+            const int64_t Tc = (sp.B / sp.num_chunks) * sp.S, L = sp.cp_size > 1 ? Tc / sp.cp_size : Tc;
+            if (sp.num_chunks * Tc == 0) return NCP_OK;
+            static ncp::ParamTable table; /* filled and launched under the lock (a launch copies its arguments) */
+            static std::mutex mu;
+            std::lock_guard<std::mutex> lock(mu);
+            memcpy(table.w, p->host, (size_t)info->kernel_words * sizeof(int64_t));
+            ncp::mimo_shard_param_kernel<<<ncp::grid_for(sp.num_chunks * Tc), ncp::kThreads, 0, (cudaStream_t)stream>>>(
+                sp, Tc, L, table);
+            NCP_CUDA_CHECK(cudaGetLastError());
+            return NCP_OK;
+        }
+    }
     int dev = 0;
     NCP_CUDA_CHECK(cudaGetDevice(&dev));
     ncp::StageSlot *slot = nullptr;
     NCP_TRY(ncp::stage_acquire(dev, (size_t)p->plan.lay_words * sizeof(int64_t), &slot));
-    p->layout.buf = (int64_t *)slot->ptr;
-    ncp_status st = ncp_mimo_layout(&p->layout, info);
-    if (st != NCP_OK) {
-        ncp::stage_release(slot);
-        return st;
+    if (p->host != nullptr) { /* a table too large for the launch: staged from the host block */
+        memcpy(slot->ptr, p->host, (size_t)info->kernel_words * sizeof(int64_t));
+    } else {
+        p->layout.buf = (int64_t *)slot->ptr;
+        ncp_status st = ncp_mimo_layout(&p->layout, info);
+        if (st != NCP_OK) {
+            ncp::stage_release(slot);
+            return st;
+        }
     }
-    if (p->host != nullptr) /* the int32 outputs live on the host: a plain copy of the block */
-        memcpy(p->host, slot->ptr, (size_t)info->total_words * sizeof(int64_t));
     const int64_t words = p->host != nullptr ? info->kernel_words : info->total_words;
     NCP_TRY(ncp::stage_copy_release(slot, p->out + p->plan.lay_off, words, (cudaStream_t)stream));
     return ncp_mimo_shard_cuda(&p->shard, stream);

@@ -139,10 +139,6 @@ template <class M> __device__ __forceinline__ void q_tiles_seeing(const M &m, in
     n = r1 >= r0 ? r1 / bm - t0 + 1 : 0;
 }
 
-/* Whether M is the table policy (the kernels' choices that depend on it are compile-time). */
-template <class M> __host__ __device__ constexpr bool table_mask() { return false; }
-template <> __host__ __device__ constexpr bool table_mask<TableMask>() { return true; }
-
 /* The policy of a call. */
 template <bool TABLE> struct mask_of { using type = DocsMask; };
 template <> struct mask_of<true> { using type = TableMask; };

@@ -11,8 +11,8 @@
  * walks the kv tiles of 64 keys the rows see (as the forward), streaming K and V:
  * S = Q K^T, dP = dO V^T, then dQ += dS K.
  * Both grids take their tiles longest first (the pre-pass ranks them; launch.h).
- * Instantiations: dK/dV 2 modes x 2 dtypes x 2 head dims x 3 (documents with and without a
- * window, tables), dQ 2 x 2 x 3.
+ * Instantiations: dK/dV 2 modes x 2 dtypes x 2 head dims x 2 masks (documents, tables) x 2 (with
+ * and without skipping), dQ 2 x 2 x 2 x 2.
  * Test: pytest tests/test_sink_attention_cuda.py   Bench: python benchmarks/bench_sink_attention.py
  */
 #include "sm90_bwd_dkdv.cuh"
@@ -22,9 +22,10 @@ namespace bwd90 {
 namespace {
 
 /* Skipping warpgroup items (sm90_bwd_dkdv.cuh) pays under a window, not under a causal mask: a
- * separate kernel each (dK/dV and dQ), so the causal kernels keep their code. Tables (CP) do not
- * say whether they hold a window and keep the causal kernels. */
-inline bool skips_items(const ncp_sink_attn_params &p) { return p.mask.kind == NCP_MASK_DOCS && p.mask.window > 0; }
+ * separate kernel each (dK/dV and dQ), so the causal kernels keep their code. Documents say their
+ * window; a table (CP) carries the window it was built with as a hint (ncp.h; the Flint plan sets
+ * it). Either kernel gives the same results on any mask: the hint only picks the faster one. */
+inline bool skips_items(const ncp_sink_attn_params &p) { return p.mask.window > 0; }
 
 template <typename T, int D, bool ADQ, class Mask, bool SKIP>
 __global__ void __launch_bounds__(kThreads, 1)
@@ -203,10 +204,8 @@ ncp_status launch_dkdv_t(const ncp_sink_attn_bwd_params &b, const bwd_workspace 
 template <typename T, int D, bool ADQ, class Mask>
 ncp_status launch_dkdv(const ncp_sink_attn_bwd_params &b, const bwd_workspace &ws, const attn_config &cfg,
                        cudaStream_t stream) {
-    if constexpr (table_mask<Mask>()) return launch_dkdv_t<T, D, ADQ, Mask, false>(b, ws, cfg, stream);
-    else
-        return skips_items(b.f) ? launch_dkdv_t<T, D, ADQ, Mask, true>(b, ws, cfg, stream)
-                                : launch_dkdv_t<T, D, ADQ, Mask, false>(b, ws, cfg, stream);
+    return skips_items(b.f) ? launch_dkdv_t<T, D, ADQ, Mask, true>(b, ws, cfg, stream)
+                            : launch_dkdv_t<T, D, ADQ, Mask, false>(b, ws, cfg, stream);
 }
 
 template <typename T, int D, class Mask, bool SKIP>
@@ -229,10 +228,8 @@ ncp_status launch_dq_t(const ncp_sink_attn_bwd_params &b, const bwd_workspace &w
 template <typename T, int D, class Mask>
 ncp_status launch_dq(const ncp_sink_attn_bwd_params &b, const bwd_workspace &ws, const attn_config &cfg,
                      cudaStream_t stream) {
-    if constexpr (table_mask<Mask>()) return launch_dq_t<T, D, Mask, false>(b, ws, cfg, stream);
-    else
-        return skips_items(b.f) ? launch_dq_t<T, D, Mask, true>(b, ws, cfg, stream)
-                                : launch_dq_t<T, D, Mask, false>(b, ws, cfg, stream);
+    return skips_items(b.f) ? launch_dq_t<T, D, Mask, true>(b, ws, cfg, stream)
+                            : launch_dq_t<T, D, Mask, false>(b, ws, cfg, stream);
 }
 
 /* Deterministic: the dK/dV kernel, then the dQ kernel. Atomic dQ: zero the workspace, the dK/dV

@@ -185,9 +185,11 @@ typedef struct {
 
 /* Host layout straight into out's layout block, then the CPU shard pass. */
 ncp_status ncp_mimo_run_cpu(ncp_mimo_run_params *p, ncp_mimo_layout_info *info);
-/* Host layout into a pinned staging slot, copied to out's layout block on `stream` (the whole
- * block when host is NULL, the kernel table alone otherwise), then the fused kernel on `stream`.
- * No host synchronization: the slot is reused only once its copy has completed (an event). */
+/* With host set and a kernel table of at most 30 KiB: the host layout pass writes host, and the
+ * fused kernel takes the table as a launch parameter (one launch, no copy). Otherwise: the host
+ * layout (or, with host set, its table) goes into a pinned staging slot, copied to out's layout
+ * block on `stream` (the whole block when host is NULL), then the fused kernel on `stream`.
+ * No host synchronization: a slot is reused only once its copy has completed (an event). */
 ncp_status ncp_mimo_run_cuda(ncp_mimo_run_params *p, ncp_mimo_layout_info *info, void *stream);
 
 /* ------------------------------------------------------------------------------------------ */
@@ -209,7 +211,10 @@ typedef struct {
     ncp_mask_kind kind;
     const int32_t *cu_seqlens; /* DOCS: (n_cu,) document boundaries, cu[0] = 0, cu[n_cu-1] = Tq */
     int32_t n_cu;
-    int32_t window;            /* DOCS: keys counting the current token; 0 = whole causal document */
+    int32_t window;            /* DOCS: keys counting the current token; 0 = whole causal document.
+                                  TABLE: the window the table was built with, a hint (0: none) that
+                                  picks the backward kernels which skip what a window leaves out;
+                                  results are the same for any value */
     const int32_t *row_lo;     /* TABLE: (Tq,) first visible key row */
     const int32_t *row_hi;     /* TABLE: (Tq,) last visible key row (< row_lo: sees nothing) */
 } ncp_attn_mask;

@@ -1,0 +1,109 @@
+"""A/B of the native MiMo sharder: two builds in one process, round robin (issue 16).
+
+Loads ``nemo_cp_native`` of two trees side by side (as ``ab_attention.py`` does) and times the
+bench's case (B = 8 rows of S = 32768 tokens, cp = 8, rank 3, ``seq_lens*`` on the host, 1 and 4
+chunks) with each: wall time per call with a device sync after it (the bench's ``ms``), and host
+time per call behind a queued GPU spin (the bench's ``host_us``), medians per round, median of the
+rounds. The reference path with the native TE partition (the bench's fair baseline, ``ref(fastTE)``)
+is timed in the same process, so both builds' ratios to it come from one run. Both builds' outputs
+are compared for exact equality first.
+
+    python benchmarks/ab_mimo.py --a .baseline --b . [--rounds 5] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [_HERE]
+from ab_attention import load  # noqa: E402
+
+
+def wall_us(fn, reps):
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter_ns()
+        fn()
+        torch.cuda.synchronize()
+        ts.append((time.perf_counter_ns() - t0) / 1e3)
+    return statistics.median(ts)
+
+
+def host_us(fn, reps):
+    fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        torch.cuda._sleep(4_000_000)
+        t0 = time.perf_counter_ns()
+        fn()
+        ts.append((time.perf_counter_ns() - t0) / 1e3)
+        torch.cuda.synchronize()
+    return statistics.median(ts)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--a", required=True)
+    ap.add_argument("--b", required=True)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    pkgs = {"a": load(args.a, "nemo_cp_native"), "b": load(args.b, "ncp_b")}
+    from bench_mimo_shard import IMG, VID, _cpu, _same  # imports nemo_cp_native: A's, loaded above
+
+    from nemo_cp_native.baselines import mimo_reference_fast_te
+    from nemo_cp_native.testing import fake_mesh, make_mimo_batch
+
+    rows = []
+    for C in (1, 4):
+        g = torch.Generator().manual_seed(0)
+        batch = make_mimo_batch(8, 32768, num_chunks=C, cp_size=8, docs_per_row=(16, 64), image_token_id=IMG,
+                                video_token_id=VID, generator=g, device="cuda")  # fmt: skip
+        batch = {k: v.cpu() if k in ("seq_lens", "seq_lens_padded") else v for k, v in batch.items()}
+        opts = {"num_chunks": C, "image_token_id": IMG, "video_token_id": VID}
+        with fake_mesh(8, 3) as mesh:
+            fns = {key: (lambda m=pkg.mimo: m.shard_batch_for_mimo_te(mesh, None, dict(batch), **opts))
+                   for key, pkg in pkgs.items()}  # fmt: skip
+            _same(_cpu(fns["a"]()), _cpu(fns["b"]()), f"C={C}")
+            for key, pkg in pkgs.items():
+                assert pkg.mimo.fast_path_info()["path"] == "native", (key, pkg.mimo.fast_path_info())
+            with mimo_reference_fast_te() as ref:
+                ref_fn = lambda: ref.shard_batch_for_mimo_te(mesh, None, dict(batch), **opts)  # noqa: E731
+                ref_us = statistics.median(wall_us(ref_fn, 5) for _ in range(3))
+            res = {key: {"wall": [], "host": []} for key in pkgs}
+            for rnd in range(args.rounds):
+                for key in ("a", "b") if rnd % 2 == 0 else ("b", "a"):
+                    res[key]["wall"].append(round(wall_us(fns[key], args.reps), 1))
+                    res[key]["host"].append(round(host_us(fns[key], args.reps), 1))
+        row = {"chunks": C, "ref_fastTE_us": round(ref_us, 1)}
+        for key in pkgs:
+            w, h = statistics.median(res[key]["wall"]), statistics.median(res[key]["host"])
+            row[key] = {"wall_us": w, "host_us": h, "x_fastTE": round(ref_us / w, 1), "runs": res[key]}
+        row["b_over_a_wall"] = round(row["b"]["wall_us"] / row["a"]["wall_us"], 4)
+        rows.append(row)
+        print(f"C={C}: ref(fastTE) {ref_us:.1f} us | A wall {row['a']['wall_us']} us ({row['a']['x_fastTE']}x), "
+              f"host {row['a']['host_us']} | B wall {row['b']['wall_us']} us ({row['b']['x_fastTE']}x), "
+              f"host {row['b']['host_us']} | B/A wall {row['b_over_a_wall']}", flush=True)  # fmt: skip
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"a": args.a, "b": args.b, "method": "wall: call + device sync, median of reps; host: behind "
+                       "a queued 4M-cycle spin, median; median of rounds (round robin A/B)", "rows": rows}, f,
+                      indent=1)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
