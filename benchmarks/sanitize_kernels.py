@@ -73,16 +73,18 @@ def malformed():
             out = ncp.sink_attention(c["q"], c["k"], c["v"], c["sink"], cu, window=window, validate=False)
             out.backward(torch.randn_like(out))
     q, k, v, s = (t.detach() for t in (c["q"], c["k"], c["v"], c["sink"]))
-    for lo, hi in ((-5, T + 40), (T + 3, -7), (big, -big), (-big, big)):
-        rows = torch.arange(T, device="cuda", dtype=torch.int64)
-        mask = AttnMask(row_lo=(rows * 0 + lo).clamp(-big, big).to(torch.int32),
-                        row_hi=(rows * 0 + hi).clamp(-big, big).to(torch.int32))  # fmt: skip
-        out, lse = attn_forward(q, k, v, s, mask, 0.1)
-        attn_backward(torch.randn_like(out), q, k, v, s, out, lse, mask, 0.1)
-    bad = AttnMask(row_lo=torch.randint(-1000, 2000, (T,), device="cuda", dtype=torch.int32),
-                   row_hi=torch.randint(-1000, 2000, (T,), device="cuda", dtype=torch.int32))  # not monotone
-    out, lse = attn_forward(q, k, v, s, bad, 0.1)
-    attn_backward(torch.randn_like(out), q, k, v, s, out, lse, bad, 0.1)
+    for hint in (0, 77):  # a window hint: the skipping backward kernels on the same tables
+        for lo, hi in ((-5, T + 40), (T + 3, -7), (big, -big), (-big, big)):
+            rows = torch.arange(T, device="cuda", dtype=torch.int64)
+            mask = AttnMask(row_lo=(rows * 0 + lo).clamp(-big, big).to(torch.int32),
+                            row_hi=(rows * 0 + hi).clamp(-big, big).to(torch.int32), window=hint)  # fmt: skip
+            out, lse = attn_forward(q, k, v, s, mask, 0.1)
+            attn_backward(torch.randn_like(out), q, k, v, s, out, lse, mask, 0.1)
+        bad = AttnMask(row_lo=torch.randint(-1000, 2000, (T,), device="cuda", dtype=torch.int32),
+                       row_hi=torch.randint(-1000, 2000, (T,), device="cuda", dtype=torch.int32),
+                       window=hint)  # not monotone  # fmt: skip
+        out, lse = attn_forward(q, k, v, s, bad, 0.1)
+        attn_backward(torch.randn_like(out), q, k, v, s, out, lse, bad, 0.1)
     # a plan's runs: the device copy disagrees with the checked host runs (writes past the table)
     from nemo_cp_native._ops import _C, dl
 
@@ -114,8 +116,10 @@ def mimo():
     for B, S, C, cp in ((4, 96, 2, 4), (2, 64, 1, 2), (4, 40, 4, 1)):
         batch = make_mimo_batch(B, S, num_chunks=C, cp_size=cp, device="cuda", image_token_id=7, video_token_id=8,
                                 generator=g)  # fmt: skip
-        with fake_mesh(cp, cp - 1) as mesh:
-            ncp.mimo.shard_batch_for_mimo_te(mesh, None, batch, num_chunks=C, image_token_id=7, video_token_id=8)
+        host_meta = {k: v.cpu() if k in ("seq_lens", "seq_lens_padded") else v for k, v in batch.items()}
+        with fake_mesh(cp, cp - 1) as mesh:  # staged table, then the table as a launch parameter
+            for b in (batch, host_meta):
+                ncp.mimo.shard_batch_for_mimo_te(mesh, None, dict(b), num_chunks=C, image_token_id=7, video_token_id=8)
     cu = torch.tensor([0, 8, 16, 48], dtype=torch.int32, device="cuda")
     ncp.thd_partition_indices(cu, 64, 2, 1, validate=False)
 
