@@ -14,6 +14,7 @@ are compared for exact equality first.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -25,6 +26,17 @@ import torch
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [_HERE]
 from ab_attention import load  # noqa: E402
+
+
+def _plain(obj):
+    """Dataclasses (each build's own ShardLayout class) as dicts of their fields, for _same."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_plain(v) for v in obj)
+    if isinstance(obj, dict):
+        return {k: _plain(v) for k, v in obj.items()}
+    return obj
 
 
 def wall_us(fn, reps):
@@ -77,7 +89,7 @@ def main() -> int:
         with fake_mesh(8, 3) as mesh:
             fns = {key: (lambda m=pkg.mimo: m.shard_batch_for_mimo_te(mesh, None, dict(batch), **opts))
                    for key, pkg in pkgs.items()}  # fmt: skip
-            _same(_cpu(fns["a"]()), _cpu(fns["b"]()), f"C={C}")
+            _same(_plain(_cpu(fns["a"]())), _plain(_cpu(fns["b"]())), f"C={C}")
             for key, pkg in pkgs.items():
                 assert pkg.mimo.fast_path_info()["path"] == "native", (key, pkg.mimo.fast_path_info())
             with mimo_reference_fast_te() as ref:

@@ -31,9 +31,11 @@ from nemo_cp_native import mimo as nat  # noqa: E402
 from nemo_cp_native.testing import fake_mesh, make_mimo_batch  # noqa: E402
 
 
-def wall_us(fn, reps=200):
+def wall_us(fn, reps=200, warm_gpu=False):
     for _ in range(5):
         fn()
+    if warm_gpu:  # a 50 ms GPU spin first: the clocks up as in a training step (an idle GPU idles them)
+        torch.cuda._sleep(100_000_000)
     torch.cuda.synchronize()
     ts = []
     for _ in range(reps):
@@ -79,14 +81,17 @@ def main() -> int:
             ids = batch["input_ids"]
             rows = {
                 "call: wall with sync": wall_us(call),
+                "call: wall with sync, after a 50 ms GPU spin": wall_us(call, warm_gpu=True),
+                "call: wall with sync, again": wall_us(call),
                 "call: host behind spin": host_us(call),
                 "_C.mimo_run alone: wall with sync": wall_us(run),
+                "_C.mimo_run alone: wall with sync, after a 50 ms GPU spin": wall_us(run, warm_gpu=True),
                 "_C.mimo_run alone: host behind spin": host_us(run),
                 "torch.empty(out, cuda)": host_us(lambda: torch.empty(300_000, dtype=torch.int64, device="cuda")),
                 "6 to_dlpack (cuda tensors)": host_us(lambda: [torch.utils.dlpack.to_dlpack(ids) for _ in range(6)]),
             }
             for name, us in rows.items():
-                print(f"C={C} {name:40s} {us:8.1f} us")
+                print(f"C={C} {name:58s} {us:8.1f} us")
     return 0
 
 
