@@ -5,7 +5,8 @@ bench's case (B = 8 rows of S = 32768 tokens, cp = 8, rank 3, ``seq_lens*`` on t
 chunks) with each: wall time per call with a device sync after it (the bench's ``ms``), and host
 time per call behind a queued GPU spin (the bench's ``host_us``), medians per round, median of the
 rounds. The reference path with the native TE partition (the bench's fair baseline, ``ref(fastTE)``)
-is timed in the same process, so both builds' ratios to it come from one run. Both builds' outputs
+is timed in the same process on the batch with ``seq_lens*`` on the GPU (as in the bench), so both
+builds' ratios to it come from one run. Both builds' outputs
 are compared for exact equality first.
 
     python benchmarks/ab_mimo.py --a .baseline --b . [--rounds 5] [--json out.json]
@@ -84,6 +85,7 @@ def main() -> int:
         g = torch.Generator().manual_seed(0)
         batch = make_mimo_batch(8, 32768, num_chunks=C, cp_size=8, docs_per_row=(16, 64), image_token_id=IMG,
                                 video_token_id=VID, generator=g, device="cuda")  # fmt: skip
+        gpu_batch = batch  # the reference path's input, as in the bench (seq_lens* on the GPU)
         batch = {k: v.cpu() if k in ("seq_lens", "seq_lens_padded") else v for k, v in batch.items()}
         opts = {"num_chunks": C, "image_token_id": IMG, "video_token_id": VID}
         with fake_mesh(8, 3) as mesh:
@@ -93,7 +95,7 @@ def main() -> int:
             for key, pkg in pkgs.items():
                 assert pkg.mimo.fast_path_info()["path"] == "native", (key, pkg.mimo.fast_path_info())
             with mimo_reference_fast_te() as ref:
-                ref_fn = lambda: ref.shard_batch_for_mimo_te(mesh, None, dict(batch), **opts)  # noqa: E731
+                ref_fn = lambda: ref.shard_batch_for_mimo_te(mesh, None, dict(gpu_batch), **opts)  # noqa: E731
                 ref_us = statistics.median(wall_us(ref_fn, 5) for _ in range(3))
             res = {key: {"wall": [], "host": []} for key in pkgs}
             for rnd in range(args.rounds):
