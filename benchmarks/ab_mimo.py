@@ -76,6 +76,7 @@ def main() -> int:
     args = ap.parse_args()
     pkgs = {"a": load(args.a, "nemo_cp_native"), "b": load(args.b, "ncp_b")}
     from bench_mimo_shard import IMG, VID, _cpu, _same  # imports nemo_cp_native: A's, loaded above
+    from common import env_record
 
     from nemo_cp_native.baselines import mimo_reference_fast_te
     from nemo_cp_native.testing import fake_mesh, make_mimo_batch
@@ -113,7 +114,7 @@ def main() -> int:
               f"host {row['b']['host_us']} | B/A wall {row['b_over_a_wall']}", flush=True)  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"a": args.a, "b": args.b, "method": "wall: call + device sync, median of reps; host: behind "
+            json.dump({"env": env_record(), "a": args.a, "b": args.b, "method": "wall: call + device sync, median of reps; host: behind "
                        "a queued 4M-cycle spin, median; median of rounds (round robin A/B)", "rows": rows}, f,
                       indent=1)  # fmt: skip
     return 0

@@ -60,6 +60,46 @@ def host_us(fn, reps=100):
     return round(statistics.median(ts), 1)
 
 
+def steps(call, reps=100):
+    """Host microseconds of the steps of one call (medians behind a queued GPU spin): the module's
+    helpers and the C call, timed by wrappers swapped in for this measurement only."""
+    from nemo_cp_native import _compat
+
+    acc = {}
+
+    def timed(name, fn):
+        def wrapper(*a, **kw):
+            t0 = time.perf_counter_ns()
+            try:
+                return fn(*a, **kw)
+            finally:
+                acc.setdefault(name, []).append((time.perf_counter_ns() - t0) / 1e3)
+        return wrapper
+
+    class CProxy:
+        def __getattr__(self, name):
+            return getattr(real_c, name)
+
+    real_c, saved = nat._C, {n: getattr(nat, n) for n in ("_run", "_sharded_view", "_resolve_rank", "_fallback_reason")}
+    real_layout = _compat.ShardLayout
+    proxy = CProxy()
+    proxy.mimo_run = timed("_C.mimo_run", real_c.mimo_run)
+    try:
+        nat._C = proxy
+        for n, fn in saved.items():
+            setattr(nat, n, timed(n, fn))
+        _compat.ShardLayout = timed("ShardLayout(...)", real_layout)
+        total = host_us(timed("whole call", call), reps)
+    finally:
+        nat._C = real_c
+        for n, fn in saved.items():
+            setattr(nat, n, fn)
+        _compat.ShardLayout = real_layout
+    out = {name: round(statistics.median(v[-reps:]), 1) for name, v in acc.items()}
+    out["whole call (median of host_us)"] = total
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--chunks", type=int, nargs="+", default=[1, 4])
@@ -92,6 +132,8 @@ def main() -> int:
             }
             for name, us in rows.items():
                 print(f"C={C} {name:58s} {us:8.1f} us")
+            for name, us in steps(call).items():
+                print(f"C={C} step {name:53s} {us:8.1f} us")
     return 0
 
 

@@ -11,8 +11,8 @@ Each page holds generated blocks between marker comments that name their kind an
 kinds: ``attn`` (every case: ours against FlexAttention+sink and SDPA), ``attn-extra`` (our other
 rows: no sink, deterministic backward, A/B variants), ``mimo`` (one or more runs of
 bench_mimo_shard.py), ``flint`` (one or more runs of bench_flint.py), ``host`` (bench_host.py),
-``order`` (bench_bwd_order.py), ``ab`` (ab_attention.py), ``tried`` (the losers, from the files
-that record them).
+``order`` (bench_bwd_order.py), ``ab`` (ab_attention.py), ``ab-mimo`` (ab_mimo.py), ``ab-hint``
+(ab_table_hint.py), ``tried`` (the losers, from the files that record them).
 
     # after a GPU run of benchmarks/gpu_run.sh: copy its JSON into benchmarks/results/ and re-render
     python benchmarks/render_records.py --import $OUT [--prune]
@@ -433,8 +433,36 @@ def render_order(paths: list[str]) -> str:
     return "\n".join(out)
 
 
+def render_ab_mimo(paths: list[str]) -> str:
+    """benchmarks/ab_mimo.py: two builds of the MiMo sharder round robin in one process."""
+    data = _read(paths[-1])
+    out = [f"A = `{data['a']}`, B = `{data['b']}`; {data['method']}. B = 8 rows of S = 32768 tokens, cp = 8, "
+           "rank 3, `seq_lens*` on the host; in parentheses the ratio to the reference path with the native TE "
+           "partition (`ref(fastTE)`, timed in the same process):", "",
+           "| chunks | ref(fastTE) µs | A: wall µs | A: host µs | B: wall µs | B: host µs | B / A wall |",
+           "|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for r in data["rows"]:
+        a, b = r["a"], r["b"]
+        out.append(f"| {r['chunks']} | {r['ref_fastTE_us']} | {a['wall_us']} ({a['x_fastTE']}x) | {a['host_us']} | "
+                   f"{b['wall_us']} ({b['x_fastTE']}x) | {b['host_us']} | {r['b_over_a_wall']} |")  # fmt: skip
+    out += ["", source_line(paths[-1], data["env"], True) if "env" in data else f"Source: `{paths[-1]}`."]
+    return "\n".join(out)
+
+
+def render_ab_hint(paths: list[str]) -> str:
+    """benchmarks/ab_table_hint.py: every rank's backward kernels with and without the window hint."""
+    data = _read(paths[-1])
+    out = [f"{data['method']}; backward kernels of every rank, summed (Flint 32/4/128, bf16):", "",
+           "| tokens | cp | documents | window | no hint ms | hint ms | speedup |", "|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in data["rows"]:
+        out.append(f"| {r['T']} | {r['cp']} | {r['doc']} | {r['window']} | {r['bwd_ms_all_ranks_a_nohint']} | "
+                   f"{r['bwd_ms_all_ranks_b_hint']} | {r['a_over_b']} |")  # fmt: skip
+    out += ["", source_line(paths[-1], data["env"], True)]
+    return "\n".join(out)
+
+
 RENDER = {"attn": render_attn, "attn-extra": render_attn_extra, "mimo": render_mimo, "flint": render_flint, "ab": render_ab, "host": render_host,
-          "tried": render_tried, "order": render_order}  # fmt: skip
+          "tried": render_tried, "order": render_order, "ab-mimo": render_ab_mimo, "ab-hint": render_ab_hint}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
