@@ -10,7 +10,7 @@
  *   ncp_mimo_run_cuda      one whole sharder call. Metadata on the host (the layout block's int32
  *                          outputs stay there) and a kernel table of at most 30 KiB: the host pass
  *                          writes the host block and the table rides in the launch's parameters
- *                          (mimo_shard_param_kernel): one driver call in all. Otherwise the host
+ *                          (mimo_shard_param_kernel; 8, 16 or 30 KiB blocks): one driver call. Else the host
  *                          pass (or the table) goes into a pinned staging slot, one
  *                          cudaMemcpyAsync of it into the output buffer, one event, then
  *                          mimo_shard_kernel; all on the caller's stream.
@@ -112,17 +112,34 @@ __global__ void mimo_shard_kernel(ncp_mimo_shard_params p, int64_t Tc, int64_t L
 
 /* The kernel table passed by value (kernel parameters may take 32764 bytes from CUDA 12.1 on
  * sm_70+): a call with a small table needs no staging copy, no event and no slot, only the launch.
- * __grid_constant__: the table is read in place (parameter space), never copied per thread. */
+ * __grid_constant__: the table is read in place (parameter space), never copied per thread. A
+ * launch copies its whole parameter block, so the table comes in three sizes (8, 16, 30 KiB) and a
+ * call takes the smallest that holds it. */
 constexpr int kParamTableWords = 3840; /* 30 KiB; with the other parameters under 32764 bytes */
-struct ParamTable {
-    int64_t w[kParamTableWords];
+template <int W> struct ParamTable {
+    int64_t w[W];
 };
-static_assert(sizeof(ParamTable) + sizeof(ncp_mimo_shard_params) + 2 * sizeof(int64_t) <= 32764,
+static_assert(sizeof(ParamTable<kParamTableWords>) + sizeof(ncp_mimo_shard_params) + 2 * sizeof(int64_t) <= 32764,
               "kernel parameters above the 32764-byte limit");
 
+template <int W>
 __global__ void mimo_shard_param_kernel(ncp_mimo_shard_params p, int64_t Tc, int64_t L,
-                                        const __grid_constant__ ParamTable table) {
+                                        const __grid_constant__ ParamTable<W> table) {
     mimo_shard_body(p, table.w, Tc, L);
+}
+
+/* Launches the W-word kernel with the table's first `words` words (the rest of the block is
+ * zero; the kernel reads only the table's own extent). */
+template <int W>
+ncp_status launch_param(const ncp_mimo_shard_params &sp, int64_t Tc, int64_t L, const int64_t *table, int64_t words,
+                        cudaStream_t stream) {
+    static ParamTable<W> block; /* filled and launched under the lock (a launch copies its arguments) */
+    static std::mutex mu;
+    std::lock_guard<std::mutex> lock(mu);
+    memcpy(block.w, table, (size_t)words * sizeof(int64_t));
+    mimo_shard_param_kernel<W><<<grid_for(sp.num_chunks * Tc), kThreads, 0, stream>>>(sp, Tc, L, block);
+    NCP_CUDA_CHECK(cudaGetLastError());
+    return NCP_OK;
 }
 
 /* ---------------------------------------------------------------------------------------- */
@@ -270,14 +287,11 @@ extern "C" ncp_status ncp_mimo_run_cuda(ncp_mimo_run_params *p, ncp_mimo_layout_
             NCP_TRY(ncp_mimo_shard_check(&sp));
             const int64_t Tc = (sp.B / sp.num_chunks) * sp.S, L = sp.cp_size > 1 ? Tc / sp.cp_size : Tc;
             if (sp.num_chunks * Tc == 0) return NCP_OK;
-            static ncp::ParamTable table; /* filled and launched under the lock (a launch copies its arguments) */
-            static std::mutex mu;
-            std::lock_guard<std::mutex> lock(mu);
-            memcpy(table.w, p->host, (size_t)info->kernel_words * sizeof(int64_t));
-            ncp::mimo_shard_param_kernel<<<ncp::grid_for(sp.num_chunks * Tc), ncp::kThreads, 0, (cudaStream_t)stream>>>(
-                sp, Tc, L, table);
-            NCP_CUDA_CHECK(cudaGetLastError());
-            return NCP_OK;
+            const int64_t words = info->kernel_words;
+            cudaStream_t s = (cudaStream_t)stream;
+            if (words <= 1024) return ncp::launch_param<1024>(sp, Tc, L, p->host, words, s);
+            if (words <= 2048) return ncp::launch_param<2048>(sp, Tc, L, p->host, words, s);
+            return ncp::launch_param<ncp::kParamTableWords>(sp, Tc, L, p->host, words, s);
         }
     }
     int dev = 0;
