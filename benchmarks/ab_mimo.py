@@ -20,7 +20,6 @@ import json
 import os
 import statistics
 import sys
-import time
 
 import torch
 
@@ -40,32 +39,6 @@ def _plain(obj):
     return obj
 
 
-def wall_us(fn, reps):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter_ns()
-        fn()
-        torch.cuda.synchronize()
-        ts.append((time.perf_counter_ns() - t0) / 1e3)
-    return statistics.median(ts)
-
-
-def host_us(fn, reps):
-    fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        torch.cuda._sleep(4_000_000)
-        t0 = time.perf_counter_ns()
-        fn()
-        ts.append((time.perf_counter_ns() - t0) / 1e3)
-        torch.cuda.synchronize()
-    return statistics.median(ts)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--a", required=True)
@@ -76,7 +49,13 @@ def main() -> int:
     args = ap.parse_args()
     pkgs = {"a": load(args.a, "nemo_cp_native"), "b": load(args.b, "ncp_b")}
     from bench_mimo_shard import IMG, VID, _cpu, _same  # imports nemo_cp_native: A's, loaded above
-    from common import env_record
+    from common import env_record, host_spin_us, wall_sync_us
+
+    def wall_us(fn, reps):
+        return wall_sync_us(fn, reps, warmup=3)
+
+    def host_us(fn, reps):
+        return host_spin_us(fn, reps, spin=4_000_000, warmup=1)
 
     from nemo_cp_native.baselines import mimo_reference_fast_te
     from nemo_cp_native.testing import fake_mesh, make_mimo_batch

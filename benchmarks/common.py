@@ -27,8 +27,9 @@ if _ROOT not in sys.path:
 from nemo_cp_native.testing import doc_lengths, fake_mesh, make_attention_case, make_mimo_batch, pack_documents  # noqa: E402
 from nemo_cp_native.baselines import queue_gap, time_gpu  # noqa: E402
 
-__all__ = ["doc_lengths", "env_record", "fake_mesh", "git_commit", "make_attention_case", "make_mimo_batch",
-           "pack_documents", "print_table", "queue_gap", "time_cpu", "time_cuda", "write_json"]  # fmt: skip
+__all__ = ["doc_lengths", "env_record", "fake_mesh", "git_commit", "host_spin_us", "make_attention_case",
+           "make_mimo_batch", "pack_documents", "print_table", "queue_gap", "time_cpu", "time_cuda", "wall_sync_us",
+           "write_json"]  # fmt: skip
 
 
 
@@ -83,6 +84,39 @@ def time_cpu(fn, *, warmup: int = 2, reps: int = 10, sync_cuda: bool = False) ->
             torch.cuda.synchronize()
         times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
+
+
+def wall_sync_us(fn, reps: int, *, warmup: int = 3, warm_gpu: bool = False) -> float:
+    """Median microseconds of ``fn()`` plus a device sync, on the host clock (the MiMo benchmarks'
+    wall time). ``warm_gpu``: a 50 ms GPU spin before the repetitions (clocks up, as in training)."""
+    for _ in range(warmup):
+        fn()
+    if warm_gpu:
+        torch.cuda._sleep(100_000_000)
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter_ns()
+        fn()
+        torch.cuda.synchronize()
+        ts.append((time.perf_counter_ns() - t0) / 1e3)
+    return statistics.median(ts)
+
+
+def host_spin_us(fn, reps: int, *, spin: int, warmup: int = 1) -> float:
+    """Median host microseconds of one ``fn()`` queued behind a ``spin``-cycle GPU spin, a device
+    sync after each (the call starts from idle: the bench's one-call method)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        torch.cuda._sleep(spin)
+        t0 = time.perf_counter_ns()
+        fn()
+        ts.append((time.perf_counter_ns() - t0) / 1e3)
+        torch.cuda.synchronize()
+    return statistics.median(ts)
 
 
 def host_us_stream(fn, n: int = 8, *, reps: int = 7, spin: int = 200_000_000, prepare=None) -> float:

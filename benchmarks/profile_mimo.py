@@ -26,38 +26,18 @@ import torch
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [_HERE, os.path.dirname(_HERE)]
 from bench_mimo_shard import IMG, VID, _pass_fn  # noqa: E402
+from common import host_spin_us, wall_sync_us  # noqa: E402
 
 from nemo_cp_native import mimo as nat  # noqa: E402
 from nemo_cp_native.testing import fake_mesh, make_mimo_batch  # noqa: E402
 
 
 def wall_us(fn, reps=200, warm_gpu=False):
-    for _ in range(5):
-        fn()
-    if warm_gpu:  # a 50 ms GPU spin first: the clocks up as in a training step (an idle GPU idles them)
-        torch.cuda._sleep(100_000_000)
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter_ns()
-        fn()
-        torch.cuda.synchronize()
-        ts.append((time.perf_counter_ns() - t0) / 1e3)
-    return round(statistics.median(ts), 1)
+    return round(wall_sync_us(fn, reps, warmup=5, warm_gpu=warm_gpu), 1)
 
 
 def host_us(fn, reps=100):
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        torch.cuda._sleep(2_000_000)
-        t0 = time.perf_counter_ns()
-        fn()
-        ts.append((time.perf_counter_ns() - t0) / 1e3)
-        torch.cuda.synchronize()
-    return round(statistics.median(ts), 1)
+    return round(host_spin_us(fn, reps, spin=2_000_000, warmup=5), 1)
 
 
 def steps(call, reps=100):
