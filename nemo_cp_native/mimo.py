@@ -8,13 +8,14 @@ Same names, signatures, return values and error messages as the reference (spec
   copy when they live on a GPU, the call's only host sync; none when they are on the CPU);
 - C (``csrc/core/mimo_layout.c``) does all validation, sentinel filtering, ``cu_seqlens``, the
   absorption rule, ``max_seqlen`` and the DualChunkSwap tables for every pipeline chunk;
-- one host-to-device copy of that compact table (from a pinned staging slot, on the current
-  stream), then one fused pass (``csrc/{cpu,cuda}/thd_shard``) gathers ``input_ids``, ``labels``,
+- the compact table reaches the GPU inside the kernel's launch parameters (``seq_lens*`` on the
+  host and a table of at most 30 KiB) or by one host-to-device copy from a pinned staging slot on
+  the current stream; one fused pass (``csrc/{cpu,cuda}/thd_shard``) gathers ``input_ids``, ``labels``,
   ``position_ids``, builds the padding mask, the local-index map and both media masks for every
   chunk. The partition is computed once, not twice as in the reference.
 
 Every output lives in one flat buffer allocated here (carving cached per shape); the returned
-tensors are views of it. Tensors cross to C as ``torch.utils.dlpack.to_dlpack`` capsules.
+tensors are views of it (one ``split_with_sizes`` per dtype with one chunk, ``as_strided`` otherwise). Tensors cross to C as ``torch.utils.dlpack.to_dlpack`` capsules.
 
 Inputs outside that fast path (3-D mRoPE position ids, no ``seq_lens``, float token ids, batches
 holding keys the framework would reinterpret, ...) run the pure-PyTorch reference in
