@@ -14,6 +14,8 @@ Knobs (environment):
                        LD_PRELOAD="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libstdc++.so)"
                        ASAN_OPTIONS=detect_leaks=0 python ...   (README, "Robustness")
     NCP_PTXAS_VERBOSE=1  keep nvcc's register/spill report in build/ncp_ptxas/<file>.txt
+    NCP_ALLOW_SERIAL_WGMMA=1  build even when ptxas serializes a kernel's wgmma (C75xx advisory,
+                       scripts/ptxas_check.py); by default that fails the build
     NCP_NVCC_JOBS      parallel nvcc processes (default: CPU count)
 CUDA objects are cached under build/ncp_cuda/<hash>.o, keyed by source, headers, flags and the
 nvcc version, so an unchanged tree links without recompiling.
@@ -53,6 +55,16 @@ def _find_nvcc() -> str | None:
         if home and os.path.exists(os.path.join(home, "bin", "nvcc")):
             return os.path.join(home, "bin", "nvcc")
     return shutil.which("nvcc")
+
+
+def _ptxas_check():
+    """scripts/ptxas_check.py, loaded by path (the build runs before the package is importable)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("ncp_ptxas_check", os.path.join(ROOT, "scripts", "ptxas_check.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def _cuda_home(nvcc: str) -> str:
@@ -155,6 +167,11 @@ class NcpBuildExt(build_ext):
             res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
             if res.returncode != 0:
                 raise RuntimeError(f"nvcc failed on {src}:\n{' '.join(cmd)}\n{res.stdout}\n{res.stderr}")
+            serial = _ptxas_check().serialized_wgmma(res.stderr)
+            if serial and not _env_flag("NCP_ALLOW_SERIAL_WGMMA"):
+                names = "\n  ".join(f"{code} {kernel}" for code, kernel in serial)
+                raise RuntimeError(f"ptxas serialized the wgmma of {len(serial)} kernel(s) in {src} (each wgmma then "
+                                   f"waits for the previous one; NCP_ALLOW_SERIAL_WGMMA=1 builds anyway):\n  {names}")
             if verbose:
                 rep = os.path.join(ROOT, "build", "ncp_ptxas")
                 os.makedirs(rep, exist_ok=True)

@@ -102,3 +102,31 @@ def test_the_stub_states_every_native_function():
     declared = set(re.findall(r"^def (\w+)\(", stub, flags=re.M))
     exported = {n for n in dir(C) if callable(getattr(C, n)) and not n.startswith("_") and n != "Fallback"}
     assert declared == exported, (sorted(declared - exported), sorted(exported - declared))
+
+
+def _ptxas_check():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("ncp_ptxas_check", CSRC.parent / "scripts" / "ptxas_check.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_build_rejects_serialized_wgmma_advisories():
+    """setup.py fails a CUDA build whose ptxas serialized a kernel's wgmma (scripts/ptxas_check.py).
+    The sample lines are ptxas 13.0's own output for a Hopper forward variant that hit C7511."""
+    check = _ptxas_check().serialized_wgmma
+    kernel = "_ZN3ncp5fwd9044_GLOBAL__N_125sink_attn_fwd_sm90_kernelI13__nv_bfloat16Li128ENS_8DocsMaskEEEv"
+    out = (
+        "ptxas info    : Compiling entry function '" + kernel + "' for 'sm_90a'\n"
+        "ptxas info    : (C7511) Potential Performance Loss: wgmma.mma_async instructions are serialized due to "
+        "insufficient register resources for the wgmma pipeline in the function '" + kernel + "'\n"
+        "ptxas info    : (C7519) warpgroup.arrive is injected in around line 106 by compiler to allow use of "
+        "registers in GMMA in function '_Z1kv'\n"
+        "ptxas info    : Used 168 registers, used 16 barriers\n"
+    )
+    assert check(out) == [("C7511", kernel)]
+    assert check("ptxas info    : Used 168 registers, used 16 barriers\n") == []
+    src = (CSRC.parent / "setup.py").read_text()
+    assert "serialized_wgmma(res.stderr)" in src and "raise RuntimeError" in src.split("serialized_wgmma(res.stderr)")[1][:400]
