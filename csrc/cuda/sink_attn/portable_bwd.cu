@@ -9,7 +9,8 @@
  *     dsink_h = -sum_i exp(sink_h - lse_i) D_i                 (the sink has a zero value vector)
  * Kernels, all deterministic (no atomics, fixed reduction orders):
  *   bwd_pre_kernel    D_i for every (row, head) and per-block dsink partial sums (the Delta pre-pass);
- *                     on Hopper also the work of every tile of the backward grids (launch.h)
+ *                     on Hopper also the work of every tile of the backward grids (launch.h) and
+ *                     the zeros of the atomic-dQ accumulator
  *   bwd_order_kernel  dsink_h = ordered sum of the partials; the grids' longest-first tile orders
  *   bwd_dkdv_kernel   one CTA per (kv tile of 64 keys, kv head): loops over the G query heads of
  *                     the group and every q tile that sees the keys; computes S^T = K Q^T so that
@@ -66,6 +67,11 @@ __global__ void __launch_bounds__(kPreThreads) bwd_pre_kernel(const ncp_sink_att
         return;
     }
     const int h = blockIdx.y, r0 = blockIdx.x * kRows, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (ws.dq_accum != nullptr) { /* the atomic-dQ accumulator's 64-row tiles of these rows: zeroed here (no memset) */
+        const int n_qt = (p.Tq + 63) / 64, t0 = blockIdx.x * (kRows / 64), nt = min(kRows / 64, n_qt - t0);
+        float4 *acc = reinterpret_cast<float4 *>(ws.dq_accum + ((int64_t)h * n_qt + t0) * 64 * D);
+        for (int i = threadIdx.x; i < nt * 64 * D / 4; i += kPreThreads) acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
     const bool has_sink = p.sink != nullptr;
     const float sink = has_sink ? __ldg(reinterpret_cast<const float *>(p.sink) + h) : 0.f;
     const T *oh = reinterpret_cast<const T *>(p.out) + (int64_t)h * p.o_sh;

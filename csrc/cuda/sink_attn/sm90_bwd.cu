@@ -232,14 +232,12 @@ ncp_status launch_dq(const ncp_sink_attn_bwd_params &b, const bwd_workspace &ws,
                             : launch_dq_t<T, D, Mask, false>(b, ws, cfg, stream);
 }
 
-/* Deterministic: the dK/dV kernel, then the dQ kernel. Atomic dQ: zero the workspace, the dK/dV
- * kernel adds dQ into it, one pass converts it to dq. */
+/* Deterministic: the dK/dV kernel, then the dQ kernel. Atomic dQ: the dK/dV kernel adds dQ into
+ * the accumulator that the pre-pass zeroed, one pass converts it to dq. */
 template <typename T, int D, class Mask>
 ncp_status launch(const ncp_sink_attn_bwd_params &b, const bwd_workspace &ws, const attn_config &cfg, cudaStream_t s) {
     const ncp_sink_attn_params &p = b.f;
     if (ws.dq_accum != nullptr) {
-        const size_t n_acc = (size_t)p.Hq * ((p.Tq + 63) / 64) * 64 * D;
-        NCP_CUDA_CHECK(cudaMemsetAsync(ws.dq_accum, 0, sizeof(float) * n_acc, s));
         if (p.Tk > 0) NCP_TRY((launch_dkdv<T, D, true, Mask>(b, ws, cfg, s)));
         const int64_t n = (int64_t)p.Hq * p.Tq * (D / 8);
         dq_convert_kernel<T, D><<<(unsigned)((n + 255) / 256), 256, 0, s>>>(ws.dq_accum, reinterpret_cast<T *>(b.dq),
