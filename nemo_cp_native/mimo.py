@@ -14,13 +14,19 @@ Same names, signatures, return values and error messages as the reference (spec
   ``position_ids``, builds the padding mask, the local-index map and both media masks for every
   chunk. The partition is computed once, not twice as in the reference.
 
-Every output lives in one flat buffer allocated here (carving cached per shape); the returned
-tensors are views of it (one ``split_with_sizes`` per dtype with one chunk, ``as_strided`` otherwise). Tensors cross to C as ``torch.utils.dlpack.to_dlpack`` capsules.
+Every output lives in one flat buffer allocated here (carving cached per shape), or for
+``cu_seqlens*`` / ``max_seqlen`` in a host int32 block when the tokens are on a GPU and ``seq_lens*``
+on the host. The returned tensors are views of these, made only for the outputs the call returns
+(the host cost of a call is mostly the making of tensor objects): with one chunk, one
+``split_with_sizes`` of the int64 buffer, whose mask words are viewed as bool and split again and
+whose layout block is viewed as int32 (``cu_seqlens`` a slice of it, ``max_seqlen`` an element);
+``as_strided`` otherwise. Tensors cross to C as ``torch.utils.dlpack.to_dlpack`` capsules, and C
+checks their dtypes (Python only those of ``seq_lens*`` it copies off a GPU).
 
-Inputs outside that fast path (3-D mRoPE position ids, no ``seq_lens``, float token ids, batches
-holding keys the framework would reinterpret, ...) run the pure-PyTorch reference in
-``nemo_cp_native.reference.mimo``, so behaviour stays exact for every input. ``fast_path_info()``
-tells which path the last call took.
+Inputs outside that fast path (3-D mRoPE position ids, no ``seq_lens``, token or length tensors of
+a dtype other than int32 / int64, batches holding keys the framework would reinterpret, ...) run
+the pure-PyTorch reference in ``nemo_cp_native.reference.mimo``, so behaviour stays exact for every
+input. ``fast_path_info()`` tells which path the last call took.
 """
 
 from __future__ import annotations
@@ -56,8 +62,8 @@ __all__ = [
 _INT_DTYPES = (torch.int32, torch.int64)
 _INT32_MAX = 2**31 - 1
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
-_CONSUMED = ("seq_lens", "seq_lens_padded")
-_DROPPED_TE = ("seq_lens", "seq_lens_padded", "attention_mask", "cu_seqlens_padded")  # §7.3 + §7.5 step 6
+_CONSUMED = frozenset(("seq_lens", "seq_lens_padded"))
+_DROPPED_TE = frozenset(("seq_lens", "seq_lens_padded", "attention_mask", "cu_seqlens_padded"))  # §7.3 + §7.5 step 6
 # NCP_MIMO_* output bits of csrc/include/ncp/ncp.h
 _OUT_TOKENS, _OUT_POS, _OUT_PAD, _OUT_IMAGE, _OUT_VIDEO = 1, 2, 4, 8, 16
 _last_path = {"path": None, "reason": None}
@@ -106,10 +112,27 @@ def _resolve_rank(cp_mesh) -> tuple[int, int]:
 # ------------------------------------------------------------------------------------------
 
 
+def _cut(views, at, end):
+    """``split_with_sizes`` sizes and piece names covering ``[at, end)`` with the sorted
+    ``(offset, size, name)`` views; the pieces between them are named "_gap"."""
+    sizes, names = [], []
+    for offset, size, name in views:
+        if offset > at:
+            sizes.append(offset - at)
+            names.append("_gap")
+        sizes.append(size)
+        names.append(name)
+        at = offset + size
+    if end > at:
+        sizes.append(end - at)
+        names.append("_gap")
+    return sizes, names
+
+
 class _Plan:
     """Carving of the flat output buffer for one shape (``_C.mimo_plan``), with the view specs."""
 
-    __slots__ = ("out_words", "lay_off", "lay_words", "views", "C", "splits")
+    __slots__ = ("out_words", "lay_off", "lay_words", "views", "C", "cut64", "names64", "cutb", "namesb")
 
     def __init__(self, key):
         B, S, n_real, n_pad, C, W, outputs = key
@@ -123,25 +146,21 @@ class _Plan:
         specs = [("local", 0, *tok, local), ("ids", 0, *tok, ids), ("labels", 0, *tok, lab), ("pos", 0, *tok, pos),
                  ("pad", 1, *tok, pad), ("image", 1, *mask, img), ("video", 1, *mask, vid)]  # fmt: skip
         self.views = tuple(spec for spec in specs if spec[-1] >= 0)
-        # One chunk: every view is 1-D and contiguous, so each dtype's views come from ONE
-        # split_with_sizes of the buffer (one op for several tensors: half the host cost of as many
-        # as_strided calls). Per dtype: (is_bool, sizes covering the buffer, (name, piece) pairs).
-        self.splits = None
+        # One chunk: every view is 1-D and contiguous, so all of them come from split_with_sizes (one
+        # op for several tensors: half the host cost of as many as_strided calls; sizes as tuples, which
+        # torch parses faster than lists). The int64 split ends with the words of the masks ("_bools",
+        # viewed as bool and split again unless it is one mask filling them: cutb None) and the layout
+        # block ("_lay", viewed as int32 for cu_seqlens / max_seqlen).
+        self.cut64 = self.names64 = self.cutb = self.namesb = None
         if C == 1:
-            self.splits = []
-            for is_bool in (0, 1):
-                sizes, picks, at = [], [], 0
-                for name, _, size, _, offset in sorted((v for v in self.views if v[1] == is_bool), key=lambda v: v[-1]):
-                    if offset > at:
-                        sizes.append(offset - at)
-                    picks.append((name, len(sizes)))
-                    sizes.append(size[0])
-                    at = offset + size[0]
-                total = self.out_words * (8 if is_bool else 1)
-                if total > at:
-                    sizes.append(total - at)
-                if picks:
-                    self.splits.append((is_bool, sizes, tuple(picks)))
+            ints, bools = (sorted((v[-1], v[2][0], v[0]) for v in self.views if v[1] == b) for b in (0, 1))
+            if bools:
+                first = bools[0][0] // 8  # the masks follow the int64 outputs, from a word boundary
+                cutb, namesb = _cut(bools, first * 8, self.lay_off * 8)
+                self.cutb, self.namesb = tuple(cutb) if len(cutb) > 1 else None, tuple(namesb)
+                ints.append((first, self.lay_off - first, "_bools"))
+            cut64, names64 = _cut(ints, 0, self.lay_off)
+            self.cut64, self.names64 = (*cut64, self.out_words - self.lay_off), (*names64, "_lay")
 
 
 _plans: dict = {}
@@ -181,52 +200,66 @@ def _host_metadata(tensors, device):
     return views
 
 
-def _run(input_ids, labels, pos, sl, slp, C, W, rank, image_id, video_id, outputs, sentinel):
-    """One ``_C.mimo_run``: returns ``(named views of the output buffer, meta views)``."""
-    dev = input_ids.device
-    for t in (input_ids, labels, pos, sl, slp):  # DLPack views carry int32/int64 only; C checks the rest
-        if t is not None and t.dtype not in _INT_DTYPES:
-            raise Fallback("a token or length tensor is not int32/int64")
+# the layout outputs _run returns: none, cu_seqlens + max_seqlen (TE), also cu_seqlens_padded when
+# emitted (THD, cp_size 1); views nobody returns are not made
+_LAY_NONE, _LAY_TE, _LAY_THD = 0, 1, 2
+
+
+def _run(input_ids, labels, pos, sl, slp, C, W, rank, image_id, video_id, outputs, sentinel, lay=_LAY_TE):
+    """One ``_C.mimo_run``: returns the named views of the output buffer ("local", "ids", "labels",
+    "pos", "pad", "image", "video" as ``outputs`` asks; "cu", "max" and "cup" as ``lay`` asks)."""
+    dev, cuda, host = input_ids.device, input_ids.is_cuda, None
     meta_on_gpu = sl.is_cuda or slp.is_cuda
     if meta_on_gpu:
         sl, slp = _host_metadata((sl, slp), dev)
-    plan = _plan((input_ids.shape[0], input_ids.shape[1], sl.shape[1], slp.shape[1], C, W, outputs))
-    out = torch.empty(plan.out_words, dtype=torch.int64, device=dev)
-    host = torch.empty(plan.lay_words, dtype=torch.int64) if input_ids.is_cuda and not meta_on_gpu else None
-    try:
-        caps = dict(input_ids=to_dlpack(input_ids), labels=to_dlpack(labels),
-                    position_ids=None if pos is None else to_dlpack(pos), seq_lens=to_dlpack(sl),
-                    seq_lens_padded=to_dlpack(slp), out=to_dlpack(out), host=None if host is None else to_dlpack(host))  # fmt: skip
-    except (BufferError, RuntimeError) as exc:  # e.g. a meta or sparse tensor: the reference decides
+    try:  # the inputs first (C checks their dtypes, shapes and devices: Fallback for any it does not take)
+        c_ids, c_lab, c_pos, c_sl, c_slp = (
+            to_dlpack(input_ids), to_dlpack(labels), None if pos is None else to_dlpack(pos), to_dlpack(sl),
+            to_dlpack(slp),
+        )  # fmt: skip
+    except (BufferError, RuntimeError) as exc:  # e.g. a meta, sparse or nested tensor: the reference decides
         raise Fallback(f"a tensor cannot cross DLPack: {exc}") from None
+    key = (*input_ids.shape, sl.shape[1], slp.shape[1], C, W, outputs)
+    plan = _plans.get(key) or _plan(key)
+    out = torch.empty(plan.out_words, dtype=torch.int64, device=dev)
+    if cuda and not meta_on_gpu:  # the layout block stays on the host (int32: its outputs' dtype)
+        host = torch.empty(2 * plan.lay_words, dtype=torch.int32)
     cu_off, cu_w, cup_off, cup_w, max_off, emit = _C.mimo_run(
-        **caps, num_chunks=C, cp_size=W, cp_rank=rank, image_token_id=image_id, video_token_id=video_id,
-        sentinel=sentinel, outputs=outputs, stream=_stream(dev),
+        input_ids=c_ids, labels=c_lab, position_ids=c_pos, seq_lens=c_sl, seq_lens_padded=c_slp, out=to_dlpack(out),
+        host=None if host is None else to_dlpack(host), num_chunks=C, cp_size=W, cp_rank=rank, image_token_id=image_id,
+        video_token_id=video_id, sentinel=sentinel, outputs=outputs, stream=_stream(dev) if cuda else None,
     )  # fmt: skip
-    views = {}  # out and host are fresh (storage offset 0), so plan offsets are storage offsets
-    as_bool = out.view(torch.bool)
-    if plan.splits is not None:
-        for is_bool, sizes, picks in plan.splits:
-            pieces = (as_bool if is_bool else out).split_with_sizes(sizes)
-            for name, i in picks:
-                views[name] = pieces[i]
+    # out and host are fresh (storage offset 0), so plan offsets are storage offsets
+    if C == 1:
+        views = dict(zip(plan.names64, out.split_with_sizes(plan.cut64)))
+        if plan.namesb:
+            bools = views["_bools"].view(torch.bool)
+            if plan.cutb is None:  # one mask filling its words: the bool view is the mask itself
+                views[plan.namesb[0]] = bools
+            else:
+                views.update(zip(plan.namesb, bools.split_with_sizes(plan.cutb)))
     else:
+        views, as_bool = {}, out.view(torch.bool) if outputs & (_OUT_PAD | _OUT_IMAGE | _OUT_VIDEO) else None
         for name, is_bool, size, stride, offset in plan.views:
             views[name] = (as_bool if is_bool else out).as_strided(size, stride, offset)
-    src, base = (out, plan.lay_off) if host is None else (host, 0)
-    i32 = src.view(torch.int32)
-
-    def rows(off, width):
-        if C == 1:
-            return i32.as_strided((width,), (1,), 2 * (base + off))
-        return i32.as_strided((C, width), (width, 1), 2 * (base + off))
-
-    meta = {
-        "cu": rows(cu_off, cu_w),
-        "cup": rows(cup_off, cup_w) if emit else None,
-        "max": i32.as_strided((), (), 2 * (base + max_off)) if C == 1 else i32.as_strided((C,), (1,), 2 * (base + max_off)),
-    }
-    return views, meta
+    if lay == _LAY_NONE:
+        return views
+    # int32 offsets of the layout outputs: in host, in the "_lay" piece (one chunk), or in out
+    if host is not None:
+        i32, base = host, 0
+    elif C == 1:
+        i32, base = views["_lay"].view(torch.int32), 0
+    else:
+        i32, base = out.view(torch.int32), 2 * plan.lay_off
+    cu, mx = base + 2 * cu_off, base + 2 * max_off
+    if C == 1:  # 1-D slice and 0-d element: cheaper than as_strided, same sizes, strides and offsets
+        views["cu"], views["max"] = i32[cu : cu + cu_w], i32[mx]
+    else:
+        views["cu"], views["max"] = i32.as_strided((C, cu_w), (cu_w, 1), cu), i32[mx : mx + C]
+    if lay == _LAY_THD and emit:
+        cup = base + 2 * cup_off
+        views["cup"] = i32[cup : cup + cup_w] if C == 1 else i32.as_strided((C, cup_w), (cup_w, 1), cup)
+    return views
 
 
 def _fallback_reason(batch, num_chunks, cp_size) -> str | None:
@@ -249,8 +282,10 @@ def _fallback_reason(batch, num_chunks, cp_size) -> str | None:
         return "seq_lens is not an integer [batch, documents] tensor"
     if "cu_seqlens_padded" in batch:
         return "the batch already carries cu_seqlens_padded"
-    if num_chunks > 1 and any(isinstance(v, torch.Tensor) and v.ndim == 0 for v in batch.values()):
-        return "a 0-d tensor in the batch (the reference slices every tensor per chunk)"
+    if num_chunks > 1:
+        for v in batch.values():  # a loop: no generator object per call
+            if isinstance(v, torch.Tensor) and v.ndim == 0:
+                return "a 0-d tensor in the batch (the reference slices every tensor per chunk)"
     if cp_size > 1 and not (dist.is_available() and dist.is_initialized()):
         return "torch.distributed is not initialized"
     if cp_size > _INT32_MAX:
@@ -263,22 +298,31 @@ def _fallback_reason(batch, num_chunks, cp_size) -> str | None:
 # ------------------------------------------------------------------------------------------
 
 
-def _process_input_view(batch, meta, pad, num_chunks):
+def _flat(t, n):
+    """``t.reshape(n, -1).squeeze(-1)`` (the reference's flattening of a 2-D tensor of n elements) in
+    one op where it is a view: the same sizes, strides, storage and base."""
+    try:
+        return t.view(n)
+    except RuntimeError:  # not viewable: the reference's copy, as it makes it
+        return t.reshape(n, -1).squeeze(-1)
+
+
+def _process_input_view(batch, views, num_chunks):
     """``process_input_for_thd`` / ``split_batch_into_thd_chunks`` at cp_size <= 1 (spec 7.2-7.3)."""
     input_ids, labels, pos = batch["input_ids"], batch["labels"], batch["position_ids"]
     B, S = input_ids.shape
     if num_chunks == 1:
         T = B * S
         result = {
-            "input_ids": input_ids.reshape(T, -1).squeeze(-1),
+            "input_ids": _flat(input_ids, T),
             "position_ids": None if pos is None else pos.reshape(-1),
-            "cu_seqlens": meta["cu"],
-            "labels": labels.reshape(T, -1).squeeze(-1),
-            "padding_mask": pad,
+            "cu_seqlens": views["cu"],
+            "labels": _flat(labels, T),
+            "padding_mask": views["pad"],
         }
-        if meta["cup"] is not None:
-            result["cu_seqlens_padded"] = meta["cup"]
-        result["max_seqlen"] = meta["max"]
+        if "cup" in views:
+            result["cu_seqlens_padded"] = views["cup"]
+        result["max_seqlen"] = views["max"]
         for key, value in batch.items():
             if key not in result and key not in _CONSUMED:
                 result[key] = value
@@ -288,27 +332,27 @@ def _process_input_view(batch, meta, pad, num_chunks):
         "input_ids": input_ids.reshape(C, Tc).clone(),
         "labels": labels.reshape(C, Tc).clone(),
         "position_ids": pos.reshape(C, Tc).clone(),
-        "cu_seqlens": meta["cu"],
-        "padding_mask": pad,
+        "cu_seqlens": views["cu"],
+        "padding_mask": views["pad"],
     }
-    if meta["cup"] is not None:
-        stacked["cu_seqlens_padded"] = meta["cup"]
-    stacked["max_seqlen"] = meta["max"]
+    if "cup" in views:
+        stacked["cu_seqlens_padded"] = views["cup"]
+    stacked["max_seqlen"] = views["max"]
     for key, value in batch.items():  # non-tensor keys of chunk 0's result
         if key not in stacked and key not in _CONSUMED and not isinstance(value, torch.Tensor):
             stacked[key] = value
     return stacked
 
 
-def _sharded_view(batch, views, meta, num_chunks, cp_size, cp_rank):
+def _sharded_view(batch, views, num_chunks, cp_size, cp_rank):
     """``make_cp_batch_for_te`` output at cp_size > 1 (spec 7.5-7.6)."""
     if num_chunks > 1:
         return {
             "input_ids": views["ids"],
             "labels": views["labels"],
             "position_ids": views["pos"],
-            "cu_seqlens": meta["cu"],
-            "max_seqlen": meta["max"],
+            "cu_seqlens": views["cu"],
+            "max_seqlen": views["max"],
             "qkv_format": "thd",
             "padding_mask": views["pad"],
             "cp_size": cp_size,
@@ -318,10 +362,10 @@ def _sharded_view(batch, views, meta, num_chunks, cp_size, cp_rank):
     b = {
         "input_ids": views["ids"],
         "position_ids": views["pos"],
-        "cu_seqlens": meta["cu"],
+        "cu_seqlens": views["cu"],
         "labels": views["labels"],
         "padding_mask": views["pad"],
-        "max_seqlen": meta["max"],
+        "max_seqlen": views["max"],
     }
     for key, value in batch.items():
         if key not in b and key not in _DROPPED_TE:
@@ -364,11 +408,21 @@ def _chunk_partition_indices(
         idx = torch.arange(L, device=input_ids.device, dtype=torch.long)
         return idx if num_chunks == 1 else idx.expand(num_chunks, L).clone()
     try:  # local indices only; input_ids stands in for the token inputs that are not gathered
-        views, _ = _run(input_ids, input_ids, input_ids, padded, padded, num_chunks, cp_size, cp_rank, None, None, 0,
-                        seq_lens_padding_value)  # fmt: skip
+        views = _run(input_ids, input_ids, input_ids, padded, padded, num_chunks, cp_size, cp_rank, None, None, 0,
+                     seq_lens_padding_value, _LAY_NONE)  # fmt: skip
     except Fallback:
         return _ref._chunk_partition_indices(batch, **kwargs)
     return views["local"]
+
+
+def _reference(reason, cp_mesh, batch, padding_token_id, num_chunks, image_token_id, video_token_id):
+    """The reference's ``shard_batch_for_mimo_te`` (model and loss_mask are handled by the caller),
+    recorded in ``fast_path_info``; a module function, not a closure (none made per call)."""
+    _last_path["path"], _last_path["reason"] = "reference", reason
+    return _ref.shard_batch_for_mimo_te(
+        cp_mesh, None, batch, model=None, loss_mask=None, padding_token_id=padding_token_id,
+        num_chunks=num_chunks, image_token_id=image_token_id, video_token_id=video_token_id,
+    )  # fmt: skip
 
 
 def shard_batch_for_mimo_te(
@@ -389,7 +443,7 @@ def shard_batch_for_mimo_te(
     when they live on a GPU.
     """
     del tp_mesh
-    _last_path.update(path=None, reason=None)  # an error raised before a path is chosen reports None
+    _last_path["path"] = _last_path["reason"] = None  # an error raised before a path is chosen reports None
     if loss_mask is not None:
         raise ValueError("MiMo TE THD sharding does not support an external loss_mask; encode it in labels")
     if batch.get("qkv_format") != "thd":
@@ -406,40 +460,38 @@ def shard_batch_for_mimo_te(
     if model is not None:  # looked up on upstream's cp module at call time, as upstream does
         _ref.ensure_mimo_te_context_parallel(model, cp_mesh)
 
-    def reference(reason):
-        _last_path.update(path="reference", reason=reason)
-        return _ref.shard_batch_for_mimo_te(
-            cp_mesh, None, batch, model=None, loss_mask=None, padding_token_id=padding_token_id,
-            num_chunks=num_chunks, image_token_id=image_token_id, video_token_id=video_token_id,
-        )  # fmt: skip
-
     padded = batch.get("seq_lens_padded")
     if not isinstance(padded, torch.Tensor) or padded.ndim != 2:
-        return reference("seq_lens_padded is not a 2-D tensor")
+        return _reference("seq_lens_padded is not a 2-D tensor", cp_mesh, batch, padding_token_id, num_chunks,
+                          image_token_id, video_token_id)  # fmt: skip
     try:
         image_id = None if image_token_id is None else operator.index(image_token_id)
         video_id = None if video_token_id is None else operator.index(video_token_id)
     except TypeError:
-        return reference("a media token id is not an int")
+        return _reference("a media token id is not an int", cp_mesh, batch, padding_token_id, num_chunks,
+                          image_token_id, video_token_id)  # fmt: skip
     cp_size, cp_rank = _resolve_rank(cp_mesh)
     reason = _fallback_reason(batch, num_chunks, cp_size)
     if reason is not None:
-        return reference(reason)
+        return _reference(reason, cp_mesh, batch, padding_token_id, num_chunks,
+                          image_token_id, video_token_id)  # fmt: skip
     pp_media = batch.get(_VLM_PP_MEDIA_KEY)
     sharded = cp_size > 1
     outputs = _OUT_PAD | (0 if image_id is None else _OUT_IMAGE) | (0 if video_id is None else _OUT_VIDEO)
     if sharded:
         outputs |= _OUT_TOKENS | (0 if position_ids is None else _OUT_POS)
-    _last_path.update(path="native", reason=None)  # also when the native validation raises
+    _last_path["path"] = "native"  # also when the native validation raises
     try:
-        views, meta = _run(input_ids, batch["labels"], position_ids, batch["seq_lens"], padded, num_chunks, cp_size,
-                           cp_rank, image_id, video_id, outputs, _SEQ_LENS_PADDING_VALUE)  # fmt: skip
+        views = _run(input_ids, batch["labels"], position_ids, batch["seq_lens"], padded, num_chunks, cp_size, cp_rank,
+                     image_id, video_id, outputs, _SEQ_LENS_PADDING_VALUE,
+                     _LAY_TE if sharded else _LAY_THD)  # fmt: skip
     except Fallback as exc:
-        return reference(str(exc))
+        return _reference(str(exc), cp_mesh, batch, padding_token_id, num_chunks,
+                          image_token_id, video_token_id)  # fmt: skip
     if sharded:
-        prepared = _sharded_view(batch, views, meta, num_chunks, cp_size, cp_rank)
+        prepared = _sharded_view(batch, views, num_chunks, cp_size, cp_rank)
     else:
-        prepared = _process_input_view(batch, meta, views["pad"], num_chunks)
+        prepared = _process_input_view(batch, views, num_chunks)
     local = views["local"]
     prepared[_MIMO_THD_LOCAL_INDICES] = local
     if image_id is not None:

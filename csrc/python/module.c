@@ -130,19 +130,16 @@ static ncp_kwspec mimo_run_spec = {"mimo_run", 15, 0x3fbb,
 static PyObject *py_mimo_run(PyObject *m, PyObject *const *kwargs, Py_ssize_t nargs, PyObject *kwnames) {
     /* keyword-only: (input_ids, labels, position_ids=None, seq_lens, seq_lens_padded, out, host=None,
      *  num_chunks, cp_size, cp_rank, image_token_id, video_token_id, sentinel, outputs, stream=None)
-     *  -> (cu_off, cu_width, cup_off, cup_width, maxlen_off, emit_padded), word offsets into the
-     *  layout block (out[lay_off:], or host) */
+     *  -> (cu_off, cu_width, cup_off, cup_width, maxlen_off, emit_padded), int64 word offsets into the
+     *  layout block (out[lay_off:], or host: int32 or int64). Token or length inputs outside the native
+     *  path, including dtypes DLPack carries but a view does not map, raise _C.Fallback. */
     (void)m;
     PyObject *args[15];
     if (ncp_py_kwargs(&mimo_run_spec, kwargs, nargs, kwnames, args) < 0) return NULL;
     for (int i = 0; i < 15; ++i)
         if (args[i] == NULL) args[i] = Py_None;
-    static const char *names[NCP_PYM_NVIEWS] = {"input_ids", "labels", "position_ids", "seq_lens",
-                                                "seq_lens_padded", "out", "host"};
-    static const int optional[NCP_PYM_NVIEWS] = {0, 1, 1, 0, 0, 0, 1};
     ncp_view v[NCP_PYM_NVIEWS];
-    for (int i = 0; i < NCP_PYM_NVIEWS; ++i)
-        if (ncp_view_from_capsule(args[i], names[i], optional[i], &v[i]) < 0) return NULL;
+    if (ncp_pym_mimo_views(args, v) < 0) return NULL;
     ncp_pym_mimo_args a;
     void *stream;
     if (ncp_pym_mimo_scalars(args, &a) < 0 || ncp_py_stream(args[14], &stream) < 0) return NULL;
@@ -179,7 +176,7 @@ static PyMethodDef methods[] = {
     {"mimo_run", (PyCFunction)(void (*)(void))py_mimo_run, METH_FASTCALL | METH_KEYWORDS,
      "mimo_run(*, input_ids, labels, position_ids=None, seq_lens, seq_lens_padded, out, host=None, num_chunks, cp_size, "
      "cp_rank, image_token_id, video_token_id, sentinel, outputs, stream=None) -> layout offsets: one whole MiMo "
-     "sharder call."},
+     "sharder call (Fallback for inputs outside the native path)."},
     NCP_ATTN_METHODS,
     {"build_info", py_build_info, METH_NOARGS, "build_info() -> dict describing this build."},
     {NULL, NULL, 0, NULL},

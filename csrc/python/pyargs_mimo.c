@@ -93,7 +93,7 @@ static int check_inputs(const ncp_view *v, const ncp_pym_mimo_args *a) {
 /* The output buffer and the host block (our own allocations: misuse is a ValueError). */
 static int check_buffers(const ncp_view *v, const ncp_mimo_plan *plan) {
     const ncp_view *out = &v[NCP_PYM_OUT], *host = &v[NCP_PYM_HOST], *ids = &v[NCP_PYM_IDS];
-    if (ncp_py_expect(out, "out", NCP_DT(NCP_DT_I64), 1, 2) < 0 || ncp_py_expect(host, "host", NCP_DT(NCP_DT_I64), 1, 2) < 0)
+    if (ncp_py_expect(out, "out", NCP_DT(NCP_DT_I64), 1, 2) < 0 || ncp_py_expect(host, "host", NCP_DT_INT, 1, 2) < 0)
         return -1;
     if (!same_place(out, ids)) {
         PyErr_SetString(PyExc_ValueError, "out must be on the device of input_ids");
@@ -104,10 +104,52 @@ static int check_buffers(const ncp_view *v, const ncp_mimo_plan *plan) {
                      (long long)out->shape[0]);
         return -1;
     }
-    if (host->present && (host->device != NCP_DEV_CPU || ids->device != NCP_DEV_CUDA || host->shape[0] < plan->lay_words)) {
-        PyErr_Format(PyExc_ValueError, "host must be None, or a host int64 buffer of at least %lld words for CUDA tokens",
+    /* host: int64, or int32 (Python's, which then needs no int32 view for the cu_seqlens outputs) */
+    const int64_t host_words = host->dtype == NCP_DT_I32 ? host->shape[0] / 2 : host->shape[0];
+    if (host->present && (host->device != NCP_DEV_CPU || ids->device != NCP_DEV_CUDA || host_words < plan->lay_words ||
+                          ((uintptr_t)host->data & 7) != 0)) {
+        PyErr_Format(PyExc_ValueError,
+                     "host must be None, or an 8-byte aligned host int32 / int64 buffer of at least %lld int64 words "
+                     "for CUDA tokens",
                      (long long)plan->lay_words);
         return -1;
+    }
+    return 0;
+}
+
+/* The pending exception becomes _C.Fallback with the same message; returns -1. */
+static int to_fallback(void) {
+#if PY_VERSION_HEX >= 0x030C0000
+    PyObject *exc = PyErr_GetRaisedException();
+    PyObject *msg = PyObject_Str(exc);
+    Py_DECREF(exc);
+#else
+    PyObject *type, *exc, *tb;
+    PyErr_Fetch(&type, &exc, &tb);
+    PyErr_NormalizeException(&type, &exc, &tb);
+    PyObject *msg = exc ? PyObject_Str(exc) : NULL;
+    Py_XDECREF(type);
+    Py_XDECREF(exc);
+    Py_XDECREF(tb);
+#endif
+    if (msg == NULL) return -1;
+    PyErr_SetObject(ncp_py_fallback_exc ? ncp_py_fallback_exc : PyExc_RuntimeError, msg);
+    Py_DECREF(msg);
+    return -1;
+}
+
+int ncp_pym_mimo_views(PyObject *const *args, ncp_view *v) {
+    static const char *names[NCP_PYM_NVIEWS] = {"input_ids", "labels", "position_ids", "seq_lens",
+                                                "seq_lens_padded", "out", "host"};
+    static const int optional[NCP_PYM_NVIEWS] = {0, 1, 1, 0, 0, 0, 1};
+    for (int i = 0; i < NCP_PYM_NVIEWS; ++i) {
+        if (ncp_view_from_capsule(args[i], names[i], optional[i], &v[i]) == 0) continue;
+        /* a tensor DLPack carries but a view cannot hold (complex, uint8, int16, float8, > 8 dims, another
+         * device, ...): outside the native path, so the reference decides. Misuse (None where a tensor is
+         * required, a non-capsule, a consumed capsule) and any bad out / host stay errors. */
+        int input = i < NCP_PYM_OUT && PyErr_ExceptionMatches(PyExc_ValueError) &&
+                    (PyCapsule_IsValid(args[i], "dltensor") || PyCapsule_IsValid(args[i], "dltensor_versioned"));
+        return input ? to_fallback() : -1;
     }
     return 0;
 }

@@ -31,6 +31,12 @@ typedef struct {
     unsigned outputs;
 } ncp_pym_mimo_args;
 
+/* Parses the capsules args[0..6] of mimo_run into v (NCP_PYM_* order). A token or length tensor
+ * (args[0..4]) that a view cannot hold (a dtype, rank or device DLPack carries but we do not map)
+ * raises _C.Fallback with the parser's message; anything else (None for a required tensor, a
+ * non-capsule, a consumed capsule, a bad out / host) raises as the parser does. */
+int ncp_pym_mimo_views(PyObject *const *args, ncp_view *v);
+
 /* Parses the scalars args[7..13] of mimo_run (see module.c). A media token id that does not fit
  * in int64 raises _C.Fallback (the reference compares it against the tokens, whatever it is). */
 int ncp_pym_mimo_scalars(PyObject *const *args, ncp_pym_mimo_args *a);
