@@ -5,7 +5,10 @@ its host work overlaps the spin, so the figure is what the host spends (argument
 allocations, DLPack, launches), not GPU time; a call that synced would wait for the spin and show
 it. Median over repetitions. Rows: ``ncp.sink_attention`` forward (no grad) and backward
 (``out.backward``), Flint 32/4/128 at 64k tokens with 8k documents, window 0 and 513, next to
-SDPA's forward and backward (the same autograd engine: the floor of any autograd op); the sync count of each call (``torch.cuda.set_sync_debug_mode``).
+SDPA's forward and backward; the native calls alone (``attn_forward`` / ``attn_backward``, no
+autograd: the op's own host cost) and a no-op autograd node over the same four leaves (the
+engine's cost around any op: the floor of an autograd backward on this host); the sync count of
+each call (``torch.cuda.set_sync_debug_mode``).
 
 Two methods, both on the host clock behind a queued spin:
 - **one call**: one call per spin, then a device sync: the host starts each call from idle (cold
@@ -31,7 +34,23 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import env_record, host_us_stream, print_table, write_json  # noqa: E402
 
 import nemo_cp_native as ncp  # noqa: E402
+from nemo_cp_native.attention import AttnMask, attn_backward, attn_forward  # noqa: E402
 from nemo_cp_native.testing import count_syncs, doc_lengths, make_attention_case  # noqa: E402
+
+
+class _NoOp(torch.autograd.Function):
+    """An autograd node that does no work: out = a fresh tensor shaped like q, gradients fresh
+    tensors shaped like the inputs (the engine's and the allocator's cost, nothing else)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sink):
+        ctx.save_for_backward(k, v, sink)
+        return torch.empty_like(q)
+
+    @staticmethod
+    def backward(ctx, g):
+        k, v, sink = ctx.saved_tensors
+        return torch.empty_like(g), torch.empty_like(k), torch.empty_like(v), torch.empty_like(sink)
 
 
 def host_us(fn, reps: int = 50, spin: int = 20_000_000) -> float:
@@ -119,6 +138,42 @@ def main(argv=None) -> int:
                                                             prepare=lambda: [sdpa_graph() for _ in range(n)]), 1),
                  "fwd_syncs": count_syncs(sdpa),
                  "bwd_syncs": count_syncs(sdpa_bwd)})  # fmt: skip
+    # What the op itself costs and what the engine costs around any op, with the same tensors:
+    # the native calls alone (attn_forward / attn_backward: allocations, DLPack, the C call), and a
+    # no-op autograd node over the same four leaves (the engine, its graph and the leaves' grad
+    # accumulation: the floor of any autograd op's backward on this host).
+    mask = AttnMask(cu_seqlens=cu, window=513)
+    scale = d**-0.5
+    qd, kd, vd = q.detach(), k.detach(), v.detach()
+    out, lse = attn_forward(qd, kd, vd, s.detach(), mask, scale)
+    dout = torch.randn_like(q)
+
+    def native_fwd():
+        attn_forward(qd, kd, vd, s.detach(), mask, scale)
+
+    def native_bwd():
+        attn_backward(dout, qd, kd, vd, s.detach(), out, lse, mask, scale)
+
+    rows.append({"op": "sink_attention w513, native calls alone", "fwd_host_us": round(host_us(native_fwd), 1),
+                 "bwd_host_us": round(host_us(native_bwd, reps=30), 1),
+                 "fwd_host_us_stream": round(host_us_stream(native_fwd, n), 1),
+                 "bwd_host_us_stream": round(host_us_stream(native_bwd, n, reps=5), 1),
+                 "fwd_syncs": count_syncs(native_fwd), "bwd_syncs": count_syncs(native_bwd)})  # fmt: skip
+
+    def noop_graph():
+        return _NoOp.apply(q, k, v, s)
+
+    nouts = [noop_graph()]
+
+    def noop_bwd():
+        nouts.pop().backward(dout)
+
+    rows.append({"op": "autograd floor: no-op node, same leaves", "fwd_host_us": round(host_us(noop_graph), 1),
+                 "bwd_host_us": round(backward_host_us(noop_graph, dout), 1),
+                 "fwd_host_us_stream": round(host_us_stream(noop_graph, n), 1),
+                 "bwd_host_us_stream": round(host_us_stream(lambda o: o.backward(dout), n, reps=5,
+                                                            prepare=lambda: [noop_graph() for _ in range(n)]), 1),
+                 "fwd_syncs": count_syncs(noop_graph), "bwd_syncs": count_syncs(noop_bwd)})  # fmt: skip
     print_table(rows, list(rows[0]))
     write_json(args.json, {"env": env_record(), "method": "queued 20M-cycle spin, host clock, median",
                           "method_stream": f"{n} calls back to back behind one 200M-cycle spin, per call, median",
