@@ -211,7 +211,7 @@ def render_mimo(paths: list[str]) -> str:
             "native speedup over it (`seq_lens` on GPU / CPU)", "torch ops + Python TE oracle", "fused gather pass alone",
             "host µs, `seq_lens` on CPU: one call / stream"]  # fmt: skip
     out = ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 2)]
-    sources, any_gpu = [], False
+    sources, any_gpu, any_idle = [], False, False
     for path in paths:
         data = _read(path)
         gpu = data.get("device") == "cuda"
@@ -226,6 +226,10 @@ def render_mimo(paths: list[str]) -> str:
             ratio = f"{fast['ms'] / nat['ms']:.1f}x" if nat and fast else "–"
             if meta and fast:
                 ratio += f" / {fast['ms'] / meta['ms']:.1f}x"
+            if nat and meta and fast and "ms_idle" in fast:  # runs that also time from an idle GPU
+                ratio += (f" (idle GPU: {fast['ms_idle'] / nat['ms_idle']:.1f}x / "
+                          f"{fast['ms_idle'] / meta['ms_idle']:.1f}x)")  # fmt: skip
+            any_idle = any_idle or "ms_idle" in (fast or {})
             pass_ = f"{nat['pass_ms']} ms, {nat['pass_GB/s']} GB/s" if nat and "pass_ms" in nat else "–"
             host = (f"{meta['host_us']} / {meta['host_us_stream']}" if meta and "host_us_stream" in meta
                     else f"{meta['host_us']} / –" if meta else "–")  # fmt: skip
@@ -236,6 +240,10 @@ def render_mimo(paths: list[str]) -> str:
     out.append("")
     out.append("Wall-clock ms per call, median (on a GPU, with a device sync after each call); host syncs per "
                "call in parentheses. Case: B rows of S tokens, C pipeline chunks, cp size, rank.")  # fmt: skip
+    if any_idle:
+        out.append("GPU rows with an \"idle GPU\" figure time with the GPU's clocks up (a 50 ms spin before the "
+                   "repetitions, as in a training loop); in parentheses the same from an idle GPU, the only method "
+                   "of the rows without it.")  # fmt: skip
     out += sources
     if not any_gpu:
         out.append("No GPU run of this benchmark is recorded yet (`gpu_run.sh mimo`, then `--import`).")
