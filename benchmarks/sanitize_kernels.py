@@ -1,7 +1,7 @@
 """Runs every CUDA kernel once at small sizes, for compute-sanitizer (memcheck, racecheck, synccheck).
 
     compute-sanitizer --tool memcheck --kernel-regex kns=ncp python benchmarks/sanitize_kernels.py \
-        [attention] [malformed] [mimo] [initprobe]
+        [attention] [malformed] [mimo] [initprobe] [tmaprobe:sm90|portable|clone]
 Every launch goes through the public Python API, so argument plumbing is exercised as well.
 Odd sizes on purpose: partial tiles, rows past the end, documents shorter than a tile. The
 attention part runs on every kernel the dispatcher can pick (its test hooks); "malformed" feeds
@@ -111,6 +111,31 @@ def initcheck_probe():
         print(f"initcheck_probe: {label} end", flush=True)
 
 
+def tma_probe(phase: str):
+    """Does initcheck see the Hopper forward's TMA stores of O? One small forward and the backward's
+    pre-pass (which reads O and dO), dO copied from the host (a tracked write), in one of three
+    phases, each its own process: "sm90" (O stored by TMA), "portable" (O stored by plain stores:
+    the portable forward), "clone" (O stored by TMA, then cloned by a torch kernel, and the clone
+    handed to the backward). Run without --kernel-name so torch's kernels are instrumented too: if
+    only the phases that read TMA-stored O draw reports (in "clone": in torch's copy kernel, not
+    ours), initcheck does not track TMA stores and the reports are not uninitialized memory."""
+    g = torch.Generator().manual_seed(2)
+    lengths = doc_lengths(333, "random", mean=90, generator=g)
+    c = make_attention_case(lengths, 4, 2, 64, dtype=torch.bfloat16, device="cuda", generator=g)
+    q, k, v, s = (c[n].detach() for n in ("q", "k", "v", "sink"))
+    mask = AttnMask(cu_seqlens=c["cu_seqlens"], window=0)
+    with attn_debug(portable=phase == "portable"):
+        out, lse = attn_forward(q, k, v, s, mask, 64**-0.5)
+        if phase == "clone":
+            out = out.clone()
+        dout = torch.randn(out.shape).to("cuda", out.dtype)
+        torch.cuda.synchronize()
+        print(f"tma_probe {phase}: backward begin", flush=True)
+        attn_backward(dout, q, k, v, s, out, lse, mask, 64**-0.5)
+        torch.cuda.synchronize()
+        print(f"tma_probe {phase}: backward end", flush=True)
+
+
 def mimo():
     g = torch.Generator().manual_seed(1)
     for B, S, C, cp in ((4, 96, 2, 4), (2, 64, 1, 2), (4, 40, 4, 1)):
@@ -143,5 +168,8 @@ if __name__ == "__main__":
         mimo()
     if "initprobe" in parts:
         initcheck_probe()
+    for part in parts:
+        if part.startswith("tmaprobe:"):
+            tma_probe(part.split(":", 1)[1])
     torch.cuda.synchronize()
     print("sanitize_kernels: all kernels ran")
