@@ -63,8 +63,8 @@ int32_t tiles_of(int32_t rows, int tile) { return rows <= 0 ? 0 : (int32_t)(((in
  * dsink partials, the Hopper grids' tile work and orders (dK/dV always, dQ when deterministic),
  * the atomic-dQ accumulator. */
 struct ws_layout {
-    int64_t delta, part, kv, q, dq_first, dq_expect, dq_count, acc, total;
-    int32_t n_part, n_kv, n_q, n_qt;
+    int64_t delta, part, kv, q, acc, total;
+    int32_t n_part, n_kv, n_q;
 };
 ws_layout layout_of(int32_t Tq, int32_t Tk, int32_t Hq, int32_t D, bool has_sink, const choice &c) {
     auto up = [](int64_t x) { return (x + 255) / 256 * 256; };
@@ -76,14 +76,7 @@ ws_layout layout_of(int32_t Tq, int32_t Tk, int32_t Hq, int32_t D, bool has_sink
     w.part = up((int64_t)Hq * Tq * 4);
     w.kv = w.part + (has_sink ? up((int64_t)Hq * w.n_part * 4) : 0);
     w.q = w.kv + up((int64_t)w.n_kv * 8);
-    w.n_qt = c.atomic_dq ? tiles_of(Tq, kBwdKvStep) : 0;
-    /* the in-kernel dQ conversion's counts (launch.h, dq_tiles): first q tile and count per key
-     * tile, expected additions per q tile (+1: the count pass's end marker), additions counted per
-     * (head, q tile, column block) */
-    w.dq_first = w.q + up((int64_t)w.n_q * 8);
-    w.dq_expect = w.dq_first + (c.atomic_dq ? up((int64_t)w.n_kv * 8) : 0);
-    w.dq_count = w.dq_expect + (c.atomic_dq ? up(((int64_t)w.n_qt + 1) * 4) : 0);
-    w.acc = w.dq_count + (c.atomic_dq ? up((int64_t)Hq * w.n_qt * (D / 64) * 4) : 0);
+    w.acc = w.q + up((int64_t)w.n_q * 8);
     w.total = w.acc + (c.atomic_dq ? (int64_t)Hq * ((Tq + 63) / 64) * 64 * D * 4 : 0);
     return w;
 }
@@ -162,15 +155,6 @@ extern "C" ncp_status ncp_sink_attn_bwd_cuda(const ncp_sink_attn_bwd_params *b, 
     ws.dsink_part = p.sink != nullptr ? reinterpret_cast<float *>(base + w.part) : nullptr;
     ws.n_part = w.n_part;
     ws.dq_accum = c.atomic_dq && p.Tq > 0 ? reinterpret_cast<float *>(base + w.acc) : nullptr;
-    ws.dqt = ncp::dq_tiles{};
-    if (ws.dq_accum != nullptr) {
-        ws.dqt.n_kv = w.n_kv;
-        ws.dqt.n_qt = w.n_qt;
-        ws.dqt.kv_first = reinterpret_cast<int32_t *>(base + w.dq_first);
-        ws.dqt.kv_count = ws.dqt.kv_first + w.n_kv;
-        ws.dqt.expect = reinterpret_cast<int32_t *>(base + w.dq_expect);
-        ws.dqt.count = reinterpret_cast<int32_t *>(base + w.dq_count);
-    }
     ws.kv = ncp::carve_order(base, w.kv, w.n_kv, p.Hkv, c.cfg);
     ws.q = ncp::carve_order(base, w.q, w.n_q, p.Hq, c.cfg);
     cudaStream_t s = (cudaStream_t)stream;

@@ -47,27 +47,12 @@ struct tile_order {
     int32_t chunk;  /* tiles per chunk (>= 1) */
 };
 
-/* The atomic-dQ Hopper backward converts each 64 x 64 dQ tile (query head, 64 rows, 64 columns)
- * to dq in the dK/dV kernel, by the warpgroup whose addition completes it: the pre-pass records
- * every key tile's q tiles, the order kernel counts the additions each q tile will get, every
- * warpgroup counts its additions in (after they completed), and the one that reaches the count
- * tags the tile; at its CTA's end each warpgroup converts the tiles it tagged. q tiles that no key
- * tile sees get zeros from a separate pass. */
-struct dq_tiles {
-    int32_t *kv_first; /* (n_kv,) first q tile (of kBwdKvStep rows) that sees key tile t */
-    int32_t *kv_count; /* (n_kv,) how many q tiles see it (0: none) */
-    int32_t *expect;   /* (n_qt + 1,) key tiles that add into q tile i (per column block and warpgroup share) */
-    int32_t *count;    /* (Hq, n_qt, D / 64) additions counted so far, then the completing warpgroup's tag */
-    int32_t n_kv, n_qt;
-};
-
 /* The backward workspace, carved by the dispatcher out of the caller's buffer. */
 struct bwd_workspace {
     float *delta;      /* (Hq, Tq) rowsum(dO * O) */
     float *dsink_part; /* (Hq, n_part) dsink partial sums, or NULL without a sink */
     int32_t n_part;
     float *dq_accum;   /* atomic-dQ Hopper backward: (Hq, ceil(Tq / 64), D / 64, 64 x 64) fp32, else NULL */
-    dq_tiles dqt;      /* with dq_accum: the in-kernel conversion's counts (NULL pointers otherwise) */
     tile_order kv;     /* Hopper dK/dV grid (key tiles) */
     tile_order q;      /* Hopper deterministic dQ grid (query tiles) */
 };

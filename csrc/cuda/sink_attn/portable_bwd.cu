@@ -46,16 +46,11 @@ constexpr int kPreThreads = 256;
 template <class Mask> __device__ __forceinline__ void tile_work(const ncp_sink_attn_params &p, const bwd_workspace &ws) {
     const Mask mask(p);
     const int stride = gridDim.x * kPreThreads;
-    const int n_kv = max(ws.kv.n, ws.dqt.kv_first != nullptr ? ws.dqt.n_kv : 0);
-    for (int t = blockIdx.x * kPreThreads + threadIdx.x; t < n_kv; t += stride) {
+    for (int t = blockIdx.x * kPreThreads + threadIdx.x; t < ws.kv.n; t += stride) {
         int t0, n;
         const int k1 = (int)min((int64_t)(t + 1) * kBwdKvTile, (int64_t)p.Tk) - 1; /* no int overflow near 2^31 */
-        q_tiles_seeing(mask, t * kBwdKvTile, k1, kBwdKvStep, t0, n); /* as the dK/dV kernel's KvItems */
-        if (t < ws.kv.n) ws.kv.work[t] = n;
-        if (ws.dqt.kv_first != nullptr) {
-            ws.dqt.kv_first[t] = t0;
-            ws.dqt.kv_count[t] = n;
-        }
+        q_tiles_seeing(mask, t * kBwdKvTile, k1, kBwdKvStep, t0, n);
+        ws.kv.work[t] = n;
     }
     for (int t = blockIdx.x * kPreThreads + threadIdx.x; t < ws.q.n; t += stride) {
         const q_tile_range r = q_range(mask, t * kBwdQTile, kBwdQTile, kBwdQStep);
@@ -76,8 +71,6 @@ __global__ void __launch_bounds__(kPreThreads) bwd_pre_kernel(const ncp_sink_att
         const int n_qt = (p.Tq + 63) / 64, t0 = blockIdx.x * (kRows / 64), nt = min(kRows / 64, n_qt - t0);
         float4 *acc = reinterpret_cast<float4 *>(ws.dq_accum + ((int64_t)h * n_qt + t0) * 64 * D);
         for (int i = threadIdx.x; i < nt * 64 * D / 4; i += kPreThreads) acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-        int32_t *cnt = ws.dqt.count + ((int64_t)h * n_qt + t0) * (D / 64); /* their addition counts */
-        for (int i = threadIdx.x; i < nt * (D / 64); i += kPreThreads) cnt[i] = 0;
     }
     const bool has_sink = p.sink != nullptr;
     const float sink = has_sink ? __ldg(reinterpret_cast<const float *>(p.sink) + h) : 0.f;
@@ -130,54 +123,11 @@ __device__ __forceinline__ void rank_tiles(const tile_order &o) {
     o.order[pos] = t;
 }
 
-/* expect[i] = the key tiles t with kv_first[t] <= i < kv_first[t] + kv_count[t] (one block): +1 and
- * -1 at each key tile's ends, then a running sum. Exact for any mask, as it counts what the dK/dV
- * kernel's items are, not what the mask should give. */
-__device__ __forceinline__ void count_additions(const dq_tiles &d) {
-    static_assert(kOrderThreads % 32 == 0 && kOrderThreads <= 1024, "one warp sum per warp");
-    int32_t *e = d.expect;
-    for (int i = threadIdx.x; i <= d.n_qt; i += kOrderThreads) e[i] = 0;
-    __syncthreads();
-    for (int t = threadIdx.x; t < d.n_kv; t += kOrderThreads) {
-        const int n = d.kv_count[t];
-        if (n <= 0) continue;
-        const int a = min(max(d.kv_first[t], 0), d.n_qt), z = (int)min((int64_t)a + n, (int64_t)d.n_qt);
-        atomicAdd(e + a, 1);
-        atomicAdd(e + z, -1);
-    }
-    __syncthreads();
-    __shared__ int32_t s_warp[kOrderThreads / 32];
-    __shared__ int32_t s_carry;
-    if (threadIdx.x == 0) s_carry = 0;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    for (int base = 0; base < d.n_qt; base += kOrderThreads) { /* inclusive scan, kOrderThreads at a time */
-        const int i = base + threadIdx.x;
-        int v = i < d.n_qt ? e[i] : 0;
-#pragma unroll
-        for (int off = 1; off < 32; off <<= 1) {
-            const int u = __shfl_up_sync(0xffffffffu, v, off);
-            if (lane >= off) v += u;
-        }
-        if (lane == 31) s_warp[warp] = v;
-        __syncthreads();
-        int before = s_carry;
-        for (int w = 0; w < warp; ++w) before += s_warp[w];
-        if (i < d.n_qt) e[i] = v + before;
-        __syncthreads(); /* every thread read s_carry and s_warp */
-        if (threadIdx.x == kOrderThreads - 1) s_carry = v + before;
-        __syncthreads();
-    }
-}
-
 /* Row y = 0: dsink_h = the ordered sum of the partials (block x = 0); rows 1, 2: the dK/dV and dQ
- * grids' longest-first orders; row 3: the dQ conversion's expected additions (block x = 0). */
+ * grids' longest-first orders. */
 __global__ void __launch_bounds__(kOrderThreads) bwd_order_kernel(const ncp_sink_attn_bwd_params b, const bwd_workspace ws) {
     if (blockIdx.y == 1) return rank_tiles(ws.kv);
     if (blockIdx.y == 2) return rank_tiles(ws.q);
-    if (blockIdx.y == 3) {
-        if (blockIdx.x == 0 && ws.dqt.expect != nullptr) count_additions(ws.dqt);
-        return;
-    }
     if (blockIdx.x != 0 || b.dsink == nullptr) return;
     for (int h = threadIdx.x; h < b.f.Hq; h += kOrderThreads) {
         float total = 0.f;
@@ -486,36 +436,15 @@ __global__ void __launch_bounds__(kThreads, 2) bwd_dq_kernel(const ncp_sink_attn
 
 /* The pre-pass (plus one row of blocks for the tile work when the grids are ordered), then the
  * order kernel when there is a dsink to sum or an order to rank. */
-/* dq rows of the q tiles no key tile adds into (expect 0: rows that see no key, or no keys at all)
- * are zeros: the in-kernel conversion never reaches them. Grid-stride over (q tile, head). */
-template <typename T, int D>
-__global__ void __launch_bounds__(kPreThreads) dq_zero_unseen_kernel(const ncp_sink_attn_bwd_params b, const dq_tiles d) {
-    const ncp_sink_attn_params &p = b.f;
-    constexpr int kChunks = D / 8; /* 16-byte chunks per row */
-    for (int64_t item = blockIdx.x; item < (int64_t)d.n_qt * p.Hq; item += gridDim.x) {
-        const int qt = (int)(item / p.Hq), h = (int)(item % p.Hq);
-        if (d.expect[qt] != 0) continue;
-        const int r0 = qt * kBwdKvStep, n = min(kBwdKvStep, p.Tq - r0);
-        T *dq = reinterpret_cast<T *>(b.dq) + (int64_t)h * b.dq_sh;
-        for (int i = threadIdx.x; i < n * kChunks; i += kPreThreads)
-            *reinterpret_cast<uint4 *>(dq + (int64_t)(r0 + i / kChunks) * b.dq_st + (i % kChunks) * 8) = make_uint4(0, 0, 0, 0);
-    }
-}
-
 template <typename T, int D, class Mask>
 ncp_status launch_prepass(const ncp_sink_attn_bwd_params &b, const bwd_workspace &ws, cudaStream_t s) {
     const ncp_sink_attn_params &p = b.f;
-    const bool ordered = ws.kv.n > 0 || ws.q.n > 0, counted = ws.dqt.expect != nullptr;
-    bwd_pre_kernel<T, D, Mask><<<dim3(ws.n_part, p.Hq + (ordered || counted ? 1 : 0)), kPreThreads, 0, s>>>(b, ws);
+    const bool ordered = ws.kv.n > 0 || ws.q.n > 0;
+    bwd_pre_kernel<T, D, Mask><<<dim3(ws.n_part, p.Hq + (ordered ? 1 : 0)), kPreThreads, 0, s>>>(b, ws);
     NCP_CUDA_CHECK(cudaGetLastError());
-    if (p.sink != nullptr || ordered || counted) {
+    if (p.sink != nullptr || ordered) {
         const int nb = (max(1, max(ws.kv.n, ws.q.n)) + kOrderThreads - 1) / kOrderThreads;
-        bwd_order_kernel<<<dim3(nb, 4), kOrderThreads, 0, s>>>(b, ws);
-        NCP_CUDA_CHECK(cudaGetLastError());
-    }
-    if (counted) {
-        const int64_t items = (int64_t)ws.dqt.n_qt * p.Hq;
-        dq_zero_unseen_kernel<T, D><<<(unsigned)(items < 4096 ? items : 4096), kPreThreads, 0, s>>>(b, ws.dqt);
+        bwd_order_kernel<<<dim3(nb, 3), kOrderThreads, 0, s>>>(b, ws);
         NCP_CUDA_CHECK(cudaGetLastError());
     }
     return NCP_OK;

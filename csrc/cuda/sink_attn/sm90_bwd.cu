@@ -56,10 +56,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     Split::consumer();
     DkdvConsumer<T, D, ADQ> c(p, w, bar, base, s_l2, s_dl, s_kb, wg - 1);
     sm90::mbar_wait(bar.stat(), 0);
-    if constexpr (ADQ) c.template run_adq<SKIP>(ws.dq_accum, ws.dqt);
+    if constexpr (ADQ) c.template run_adq<SKIP>(ws.dq_accum);
     else c.template run_det<SKIP>();
     c.store(b);
-    if constexpr (ADQ) c.convert_won(b, ws.dq_accum, ws.dqt);
 #else
     __trap(); /* never launched: the dispatcher picks this kernel only on sm_90a builds and devices */
 #endif
@@ -159,6 +158,29 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
+/* dq[t, h, :] = scale * dq_accum in T; 8 columns per thread; dq_accum in 64 x 64 tiles
+ * (h, t / 64, d / 64) in fragment order (dq_frag_pos). */
+template <typename T, int D>
+__global__ void __launch_bounds__(256) dq_convert_kernel(const float *__restrict__ acc, T *dq, int64_t st, int64_t sh,
+                                                         int Tq, int Hq, float scale) {
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, n = (int64_t)Hq * Tq * (D / 8);
+    if (i >= n) return;
+    const int c = (int)(i % (D / 8)) * 8;
+    const int64_t ht = i / (D / 8);
+    const int t = (int)(ht % Tq), h = (int)(ht / Tq);
+    const int n_qt = (Tq + 63) / 64, row = t % 64, rr = row % 16;
+    const int64_t tile = ((int64_t)h * n_qt + t / 64) * (D / 64) + c / 64;
+    const float *src = acc + tile * 4096 + 2 * dq_frag_pos(row / 16, (c % 64) / 8, rr / 8, (rr % 8) * 4);
+    const float4 a = *reinterpret_cast<const float4 *>(src);
+    const float4 b = *reinterpret_cast<const float4 *>(src + 4);
+    uint4 v;
+    v.x = elem<T>::pack(a.x * scale, a.y * scale);
+    v.y = elem<T>::pack(a.z * scale, a.w * scale);
+    v.z = elem<T>::pack(b.x * scale, b.y * scale);
+    v.w = elem<T>::pack(b.z * scale, b.w * scale);
+    *reinterpret_cast<uint4 *>(dq + (int64_t)t * st + (int64_t)h * sh + c) = v;
+}
+
 template <typename T, int D, bool ADQ, class Mask, bool SKIP> struct ic_dkdv {};
 template <typename T, int D, class Mask, bool SKIP> struct ic_dq {};
 
@@ -211,13 +233,16 @@ ncp_status launch_dq(const ncp_sink_attn_bwd_params &b, const bwd_workspace &ws,
 }
 
 /* Deterministic: the dK/dV kernel, then the dQ kernel. Atomic dQ: the dK/dV kernel adds dQ into
- * the accumulator that the pre-pass zeroed and converts each tile to dq once it is whole (launch.h,
- * dq_tiles); the pre-pass zeroed the rows no key tile adds into. */
+ * the accumulator that the pre-pass zeroed, one pass converts it to dq. */
 template <typename T, int D, class Mask>
 ncp_status launch(const ncp_sink_attn_bwd_params &b, const bwd_workspace &ws, const attn_config &cfg, cudaStream_t s) {
     const ncp_sink_attn_params &p = b.f;
     if (ws.dq_accum != nullptr) {
         if (p.Tk > 0) NCP_TRY((launch_dkdv<T, D, true, Mask>(b, ws, cfg, s)));
+        const int64_t n = (int64_t)p.Hq * p.Tq * (D / 8);
+        dq_convert_kernel<T, D><<<(unsigned)((n + 255) / 256), 256, 0, s>>>(ws.dq_accum, reinterpret_cast<T *>(b.dq),
+                                                                             b.dq_st, b.dq_sh, p.Tq, p.Hq, (float)p.scale);
+        NCP_CUDA_CHECK(cudaGetLastError());
         return NCP_OK;
     }
     if (p.Tk > 0) NCP_TRY((launch_dkdv<T, D, false, Mask>(b, ws, cfg, s)));

@@ -40,18 +40,13 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
     const int cw, warp, lane, tq, krow0; /* this thread's key rows krow0, krow0 + 8 of the CTA */
     const float scale_log2;
     const KeyVis vis;
-    const int tag;    /* this warpgroup's tag on the dQ tiles it completes (dq_tiles) */
-    int64_t pend, pend1; /* leader, atomic dQ: the tiles of its bulk reductions not yet counted, oldest first */
-    int64_t chk;      /* leader: the tile last counted in (-1: none), its count before and its total */
-    int chk_old, chk_need;
     float dk[D / 2], dv[D / 2];
 
     __device__ __forceinline__ DkdvConsumer(const ncp_sink_attn_params &p_, const KvItems &w_, Bars bar_,
                                             uint32_t base_, const float *l2, const float *dl, const uint16_t *kb, int cw_)
         : p(p_), w(w_), bar(bar_), base(base_), s_l2(l2), s_dl(dl), cw(cw_), warp((threadIdx.x & 127) >> 5),
           lane(threadIdx.x & 31), tq(lane & 3), krow0(64 * cw_ + 16 * warp + (lane >> 2)),
-          scale_log2((float)p_.scale * kLog2e), vis(kb, krow0),
-          tag(-1 - 2 * (int)(blockIdx.y * gridDim.x + blockIdx.x) - cw_), pend(-1), pend1(-1), chk(-1), chk_old(0), chk_need(0) {
+          scale_log2((float)p_.scale * kLog2e), vis(kb, krow0) {
 #pragma unroll
         for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.f;
     }
@@ -221,17 +216,16 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
      * other reaches after its dQ MMA of item it - 2 is done. The staging tile of the bulk reduction
      * is rewritten only after its leader thread waited for the previous reduction's reads. dq_accum
      * is (Hq, ceil(Tq / 64), D / 64, 4096) in fragment order (dq_frag_pos). */
-    template <bool SKIP> __device__ __forceinline__ void run_adq(float *dq_accum, const dq_tiles &d) {
+    template <bool SKIP> __device__ __forceinline__ void run_adq(float *dq_accum) {
         const int key0 = D == 128 ? 0 : 64 * cw, cb = D == 128 ? cw : 0;
         const uint32_t sKcol = sK() + cb * KVB * 128 + key0 * 128;
         const uint32_t sStw = base + L::stage_off + cw * 64 * 64 * 4;
         const bool leader = (threadIdx.x & 127) == 0;
-        const int n_qt = d.n_qt; /* (Tq + KQB - 1) / KQB */
+        const int n_qt = (p.Tq + KQB - 1) / KQB;
         uint32_t f = SKIP ? wait_item(0) : 1u;
         for (int it = 0; it < w.n_it; ++it) {
             if (SKIP && D == 64 && !(f & 1u)) { /* this warpgroup's share of dK, dV and dQ is zero */
                 release(it);
-                if (leader) counted(d, tile_of(it, cb, n_qt), false); /* an addition of nothing */
                 f = wait_item(it + 1);
                 continue;
             }
@@ -292,120 +286,12 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
             sm90::fence_proxy_async_smem();
             sm90::named_sync(1 + cw, 128);
             if (leader) {
-                const int64_t tile = tile_of(it, cb, n_qt);
-                sm90::bulk_reduce_add_f32(dq_accum + tile * 4096, sStw, 64 * 64 * 4);
-                counted(d, tile, true);
+                const int qt = w.q0(it) / KQB;
+                float *dst = dq_accum + (((int64_t)w.head(it) * n_qt + qt) * (D / 64) + cb) * 4096;
+                sm90::bulk_reduce_add_f32(dst, sStw, 64 * 64 * 4);
             }
         }
-        if (leader) counted_all(d); /* also: shared memory outlives the last reads */
-    }
-
-    /* ---- the dQ conversion in this kernel (launch.h, dq_tiles) ---- */
-    /* The dQ tile of item it's column block cb: (head, q tile, cb) in dq_accum's tile order. */
-    __device__ __forceinline__ int64_t tile_of(int it, int cb, int n_qt) const {
-        return ((int64_t)w.head(it) * n_qt + w.q0(it) / KQB) * (D / 64) + cb;
-    }
-    /* Leader: its additions to `tile` have completed; count them in (a release atomic, after the
-     * proxy fence that orders the bulk reduction's async-proxy writes before it). The count it
-     * returns is checked one item later (resolve), off the issue path. */
-    __device__ __forceinline__ void count_in(const dq_tiles &d, int64_t tile) {
-        asm volatile("fence.proxy.async.global;\n" ::: "memory");
-        const int qt = (int)(tile / (D / 64) % d.n_qt);
-        chk_need = __ldg(d.expect + qt) * (D == 128 ? 1 : 2); /* D = 64: both warpgroups add */
-        asm volatile("atom.release.gpu.global.add.s32 %0, [%1], 1;\n" : "=r"(chk_old) : "l"(d.count + tile) : "memory");
-        chk = tile;
-    }
-    /* Leader: if the last count_in completed its tile, tag it (after an acquire fence: the tile's
-     * other additions are visible); this warpgroup converts it at the CTA's end. */
-    __device__ __forceinline__ void resolve(const dq_tiles &d) {
-        if (chk >= 0 && chk_old == chk_need - 1) {
-            asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
-            asm volatile("st.relaxed.gpu.global.s32 [%0], %1;\n" ::"l"(d.count + chk), "r"(tag) : "memory");
-        }
-        chk = -1;
-    }
-    /* Leader, after each item: `added` says whether it issued a bulk reduction into `tile` (else
-     * the item adds nothing and counts at once). Up to kDqInFlight reductions may run; the oldest is
-     * counted once complete (wait_group kDqInFlight - 1: the newer ones may still run). */
-    static constexpr int kDqInFlight = 3;
-    __device__ __forceinline__ void counted(const dq_tiles &d, int64_t tile, bool added) {
-        resolve(d);
-        if (added) {
-            if (pend1 >= 0) { /* three in flight: count the oldest */
-                sm90::bulk_wait<kDqInFlight - 1>();
-                count_in(d, pend);
-                pend = pend1;
-                pend1 = tile;
-            } else if (pend >= 0) {
-                pend1 = tile;
-            } else {
-                pend = tile;
-            }
-        } else {
-            counted_all(d);
-            count_in(d, tile);
-        }
-    }
-    __device__ __forceinline__ void counted_all(const dq_tiles &d) {
-        resolve(d);
-        sm90::bulk_wait<0>();
-        if (pend >= 0) {
-            count_in(d, pend);
-            resolve(d);
-        }
-        if (pend1 >= 0) {
-            count_in(d, pend1);
-            resolve(d);
-        }
-        pend = pend1 = -1;
-    }
-    /* At the CTA's end (after store: the accumulators are free): the tiles this warpgroup tagged, to
-     * dq in T (times the scale). Each warp takes items warp, warp + 4, ... in runs of 32 (one tag
-     * load per lane), and converts the tagged ones alone: 64 rows x 64 columns, 16 rows of 8
-     * columns per lane, loaded from L2 (.cg: other SMs' additions) in two rounds of 8. */
-    __device__ __forceinline__ void convert_won(const ncp_sink_attn_bwd_params &b, const float *dq_accum,
-                                                const dq_tiles &d) const {
-        const int cb = D == 128 ? cw : 0, n_qt = d.n_qt;
-        sm90::named_sync(1 + cw, 128); /* the leader's tags are written */
-        T *dq = reinterpret_cast<T *>(b.dq);
-        const float mul = (float)p.scale;
-        for (int base = 32 * warp; base < w.n_it; base += 128) {
-            const int it = base + lane;
-            int v = 0;
-            if (it < w.n_it) asm volatile("ld.global.cg.s32 %0, [%1];\n" : "=r"(v) : "l"(d.count + tile_of(it, cb, n_qt)));
-            uint32_t won = __ballot_sync(0xffffffffu, it < w.n_it && v == tag);
-            while (won) {
-                const int j = base + __ffs(won) - 1;
-                won &= won - 1;
-                const float *src = dq_accum + tile_of(j, cb, n_qt) * 4096;
-                T *dst = dq + (int64_t)w.head(j) * b.dq_sh + cb * 64;
-                const int q0 = w.q0(j);
-#pragma unroll 1
-                for (int half = 0; half < 2; ++half) {
-                    float4 x[8], y[8];
-#pragma unroll
-                    for (int k = 0; k < 8; ++k) {
-                        const int u = lane + 32 * (8 * half + k), row = u >> 3, g = u & 7, rr = row & 15;
-                        const float *a = src + 2 * dq_frag_pos(row >> 4, g, rr >> 3, (rr & 7) * 4);
-                        asm volatile("ld.global.cg.v4.f32 {%0,%1,%2,%3}, [%4];\n"
-                                     : "=f"(x[k].x), "=f"(x[k].y), "=f"(x[k].z), "=f"(x[k].w) : "l"(a));
-                        asm volatile("ld.global.cg.v4.f32 {%0,%1,%2,%3}, [%4];\n"
-                                     : "=f"(y[k].x), "=f"(y[k].y), "=f"(y[k].z), "=f"(y[k].w) : "l"(a + 4));
-                    }
-#pragma unroll
-                    for (int k = 0; k < 8; ++k) {
-                        const int u = lane + 32 * (8 * half + k), row = u >> 3, g = u & 7, t = q0 + row;
-                        if (t >= p.Tq) continue;
-                        uint4 o;
-                        o.x = elem<T>::pack(x[k].x * mul, x[k].y * mul);
-                        o.y = elem<T>::pack(x[k].z * mul, x[k].w * mul);
-                        o.z = elem<T>::pack(y[k].x * mul, y[k].y * mul);
-                        o.w = elem<T>::pack(y[k].z * mul, y[k].w * mul);
-                        *reinterpret_cast<uint4 *>(dst + (int64_t)t * b.dq_st + 8 * g) = o;
-                    }
-                }
-            }
-        }
+        if (leader) sm90::bulk_wait_read<0>(); /* shared memory must outlive the last reads */
     }
 
     /* The rows of this warpgroup in sK / sV are free once its MMAs are done: stage dK, dV there. */
