@@ -82,6 +82,21 @@ def backward_host_us(forward, dout, reps: int = 30, spin: int = 20_000_000) -> f
     return statistics.median(ts[3:])
 
 
+def graph_row(op: str, fwd, graph, dout, n: int) -> dict:
+    """A row of the table: ``fwd()`` timed as one call and in a stream of n, the backward of the
+    output of ``graph()`` (built outside the timed region) likewise, and the syncs of each."""
+    outs = [graph()]
+
+    def bwd():  # for the sync count: one backward of a graph built beforehand
+        outs.pop().backward(dout)
+
+    return {"op": op, "fwd_host_us": round(host_us(fwd), 1), "bwd_host_us": round(backward_host_us(graph, dout), 1),
+            "fwd_host_us_stream": round(host_us_stream(fwd, n), 1),
+            "bwd_host_us_stream": round(host_us_stream(lambda out: out.backward(dout), n, reps=5,
+                                                       prepare=lambda: [graph() for _ in range(n)]), 1),
+            "fwd_syncs": count_syncs(fwd), "bwd_syncs": count_syncs(bwd)}  # fmt: skip
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json")
@@ -97,21 +112,8 @@ def main(argv=None) -> int:
             with torch.no_grad():
                 ncp.sink_attention(q, k, v, s, cu, window=w)
 
-        dout = torch.randn_like(q)
-        outs = []
-
-        def bwd():  # for the sync count: one backward of a graph built beforehand
-            outs.pop().backward(dout)
-
-        fwd_us = host_us(fwd)
-        bwd_us = backward_host_us(lambda: ncp.sink_attention(q, k, v, s, cu, window=w), dout)
-        fwd_stream = host_us_stream(fwd, n)
-        bwd_stream = host_us_stream(lambda out: out.backward(dout), n, reps=5,
-                                    prepare=lambda: [ncp.sink_attention(q, k, v, s, cu, window=w) for _ in range(n)])  # fmt: skip
-        outs.append(ncp.sink_attention(q, k, v, s, cu, window=w))
-        rows.append({"op": f"sink_attention w{w}", "fwd_host_us": round(fwd_us, 1), "bwd_host_us": round(bwd_us, 1),
-                     "fwd_host_us_stream": round(fwd_stream, 1), "bwd_host_us_stream": round(bwd_stream, 1),
-                     "fwd_syncs": count_syncs(fwd), "bwd_syncs": count_syncs(bwd)})  # fmt: skip
+        rows.append(graph_row(f"sink_attention w{w}", fwd, lambda: ncp.sink_attention(q, k, v, s, cu, window=w),
+                              torch.randn_like(q), n))  # fmt: skip
     qs, ks, vs = (t.detach().transpose(0, 1).unsqueeze(0) for t in (q[:8192], k[:8192].repeat_interleave(8, 1),
                                                                      v[:8192].repeat_interleave(8, 1)))  # fmt: skip
 
@@ -119,25 +121,11 @@ def main(argv=None) -> int:
         with torch.no_grad():
             torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
 
-    # SDPA's backward through the same autograd engine: the floor any autograd op pays on this host
+    # SDPA's backward through the same autograd engine
     qg, kg, vg = (t.detach().clone().requires_grad_(True) for t in (qs, ks, vs))
-    douts = torch.randn_like(qs)
-
-    def sdpa_graph():
-        return torch.nn.functional.scaled_dot_product_attention(qg, kg, vg, is_causal=True)
-
-    souts = [sdpa_graph()]
-
-    def sdpa_bwd():
-        souts.pop().backward(douts)
-
-    rows.append({"op": "SDPA causal (8k, no sink)", "fwd_host_us": round(host_us(sdpa), 1),
-                 "bwd_host_us": round(backward_host_us(sdpa_graph, douts), 1),
-                 "fwd_host_us_stream": round(host_us_stream(sdpa, n), 1),
-                 "bwd_host_us_stream": round(host_us_stream(lambda out: out.backward(douts), n, reps=5,
-                                                            prepare=lambda: [sdpa_graph() for _ in range(n)]), 1),
-                 "fwd_syncs": count_syncs(sdpa),
-                 "bwd_syncs": count_syncs(sdpa_bwd)})  # fmt: skip
+    rows.append(graph_row("SDPA causal (8k, no sink)", sdpa,
+                          lambda: torch.nn.functional.scaled_dot_product_attention(qg, kg, vg, is_causal=True),
+                          torch.randn_like(qs), n))  # fmt: skip
     # What the op itself costs and what the engine costs around any op, with the same tensors:
     # the native calls alone (attn_forward / attn_backward: allocations, DLPack, the C call), and a
     # no-op autograd node over the same four leaves (the engine, its graph and the leaves' grad
@@ -160,20 +148,8 @@ def main(argv=None) -> int:
                  "bwd_host_us_stream": round(host_us_stream(native_bwd, n, reps=5), 1),
                  "fwd_syncs": count_syncs(native_fwd), "bwd_syncs": count_syncs(native_bwd)})  # fmt: skip
 
-    def noop_graph():
-        return _NoOp.apply(q, k, v, s)
-
-    nouts = [noop_graph()]
-
-    def noop_bwd():
-        nouts.pop().backward(dout)
-
-    rows.append({"op": "autograd floor: no-op node, same leaves", "fwd_host_us": round(host_us(noop_graph), 1),
-                 "bwd_host_us": round(backward_host_us(noop_graph, dout), 1),
-                 "fwd_host_us_stream": round(host_us_stream(noop_graph, n), 1),
-                 "bwd_host_us_stream": round(host_us_stream(lambda o: o.backward(dout), n, reps=5,
-                                                            prepare=lambda: [noop_graph() for _ in range(n)]), 1),
-                 "fwd_syncs": count_syncs(noop_graph), "bwd_syncs": count_syncs(noop_bwd)})  # fmt: skip
+    noop = lambda: _NoOp.apply(q, k, v, s)  # noqa: E731
+    rows.append(graph_row("autograd floor: no-op node, same leaves", noop, noop, dout, n))
     print_table(rows, list(rows[0]))
     write_json(args.json, {"env": env_record(), "method": "queued 20M-cycle spin, host clock, median",
                           "method_stream": f"{n} calls back to back behind one 200M-cycle spin, per call, median",
