@@ -118,6 +118,8 @@ typedef struct {
     int64_t T, T_pad;
     const int32_t *owner;
     const int32_t *chunk_slot; /* chunk -> index among its owner's chunks */
+    const int32_t *by_owner;   /* the chunks grouped by owner, ascending within each */
+    const int32_t *owner_first; /* (cp + 1,) rank r's chunks: by_owner[owner_first[r] .. owner_first[r + 1]) */
     ival *iv;                  /* scratch: needed intervals */
     int32_t *scratch;          /* (cp + 1,) */
 } plan_ctx;
@@ -135,8 +137,8 @@ typedef struct {
 static int64_t needed_intervals(const plan_ctx *x, int32_t receiver, int32_t w, ival *out) {
     int64_t n = 0;
     int32_t doc = 0;
-    for (int32_t c = 0; c < x->n_chunks; ++c) {
-        if (x->owner[c] != receiver) continue;
+    for (int32_t j = x->owner_first[receiver]; j < x->owner_first[receiver + 1]; ++j) {
+        const int32_t c = x->by_owner[j];
         const int64_t a = (int64_t)c * x->chunk, b0 = (int64_t)(c + 1) * x->chunk, b = b0 < x->T ? b0 : x->T;
         if (a >= b) continue;
         while (doc < x->n_cu - 1 && x->cu[doc + 1] <= a) ++doc;
@@ -180,6 +182,40 @@ static piece_iter pieces(const ival *iv, int64_t n, int32_t chunk) {
     return it;
 }
 
+/* The same pieces restricted to the chunks of one owner (ascending), in the same order: a walk
+ * over that owner's chunks and the intervals together, not over every piece. */
+typedef struct {
+    const ival *iv;
+    int64_t n, k;
+    const int32_t *ch;
+    int32_t m, j, chunk;
+} owned_iter;
+
+static int next_owned(owned_iter *it, int64_t *p, int64_t *e, int32_t *c) {
+    while (it->j < it->m) {
+        const int32_t cc = it->ch[it->j];
+        const int64_t ca = (int64_t)cc * it->chunk, cb = ca + it->chunk;
+        while (it->k < it->n && it->iv[it->k].b <= ca) ++it->k;
+        if (it->k < it->n && it->iv[it->k].a < cb) {
+            const ival v = it->iv[it->k];
+            *p = v.a > ca ? v.a : ca;
+            *e = v.b < cb ? v.b : cb;
+            *c = cc;
+            if (v.b <= cb) ++it->k; /* the next interval may start in this chunk too */
+            else ++it->j;
+            return 1;
+        }
+        ++it->j;
+    }
+    return 0;
+}
+
+static owned_iter owned_pieces(const plan_ctx *x, const ival *iv, int64_t n, int32_t owner) {
+    owned_iter it = {iv, n, 0, x->by_owner + x->owner_first[owner], x->owner_first[owner + 1] - x->owner_first[owner],
+                     0, x->chunk};
+    return it;
+}
+
 /* The pad rows (positions T .. T_pad - 1, nobody's keys, seeing nothing) of chunk c when this rank
  * owns it: [*a, *b); 0 when there are none. */
 static int pad_rows(const plan_ctx *x, int32_t c, int64_t *a, int64_t *b) {
@@ -213,15 +249,14 @@ static void exchange_runs(const plan_ctx *x, int32_t w, window_runs *r, ncp_plan
         r->send_rows.floor = r->send_rows.n;
         if (d == x->rank) continue;
         const int64_t before = S;
-        piece_iter it = pieces(x->iv, needed_intervals(x, d, w, x->iv), x->chunk);
+        owned_iter it = owned_pieces(x, x->iv, needed_intervals(x, d, w, x->iv), x->rank);
         int64_t p, e;
         int32_t c;
-        while (next_piece(&it, &p, &e, &c))
-            if (x->owner[c] == x->rank) {
-                run_push(&r->t[NCP_PT_SEND_IDX], S, e - p, 1, local_row(x, c, p), 1);
-                run_push(&r->send_rows, local_row(x, c, p), e - p, 1, S, 1);
-                S += e - p;
-            }
+        while (next_owned(&it, &p, &e, &c)) {
+            run_push(&r->t[NCP_PT_SEND_IDX], S, e - p, 1, local_row(x, c, p), 1);
+            run_push(&r->send_rows, local_row(x, c, p), e - p, 1, S, 1);
+            S += e - p;
+        }
         pw->send_counts.data[d] = (int32_t)(S - before);
     }
     r->send_first[x->cp] = r->send_rows.n;
@@ -229,14 +264,13 @@ static void exchange_runs(const plan_ctx *x, int32_t w, window_runs *r, ncp_plan
     for (int32_t o = 0; o < x->cp; ++o) {
         if (o == x->rank) continue;
         const int64_t before = R;
-        piece_iter it = pieces(x->iv, *n_self_iv, x->chunk);
+        owned_iter it = owned_pieces(x, x->iv, *n_self_iv, o);
         int64_t p, e;
         int32_t c;
-        while (next_piece(&it, &p, &e, &c))
-            if (x->owner[c] == o) {
-                run_push(&r->t[NCP_PT_RECV_POS], R, e - p, 1, p, 1);
-                R += e - p;
-            }
+        while (next_owned(&it, &p, &e, &c)) {
+            run_push(&r->t[NCP_PT_RECV_POS], R, e - p, 1, p, 1);
+            R += e - p;
+        }
         pw->recv_counts.data[o] = (int32_t)(R - before);
     }
     const int64_t L = x->L;
@@ -290,8 +324,8 @@ static void query_runs(const plan_ctx *x, int32_t w, window_runs *r, const runve
     int64_t last_hi = -1;
     int32_t doc = 0;
     pw->visible_pairs = 0;
-    for (int32_t c = 0; c < x->n_chunks; ++c) {
-        if (x->owner[c] != x->rank) continue;
+    for (int32_t j = x->owner_first[x->rank]; j < x->owner_first[x->rank + 1]; ++j) {
+        const int32_t c = x->by_owner[j];
         const int64_t a = (int64_t)c * x->chunk, b0 = a + x->chunk, b = b0 < x->T ? b0 : x->T;
         for (int64_t p = a; p < b;) {
             while (doc < x->n_cu - 2 && x->cu[doc + 1] <= p) ++doc;
@@ -452,11 +486,13 @@ ncp_status ncp_plan_build(const int32_t *cu, int32_t n_cu, int32_t cp_size, int3
     plan->cp_rank = cp_rank;
     ncp_status st = alloc_array(&plan->owner, x.n_chunks);
     int32_t *slots = (int32_t *)malloc((size_t)x.n_chunks * sizeof(int32_t));
+    int32_t *by_owner = (int32_t *)malloc((size_t)x.n_chunks * sizeof(int32_t));
+    int32_t *owner_first = (int32_t *)malloc((size_t)(cp_size + 1) * sizeof(int32_t));
     x.scratch = (int32_t *)malloc((size_t)(cp_size + 1) * sizeof(int32_t));
     x.iv = (ival *)malloc((size_t)(x.n_chunks + n_cu + 1) * sizeof(ival));
     plan->windows = (ncp_plan_window *)calloc((size_t)n_windows, sizeof(ncp_plan_window));
     runvec local = {0};
-    if (st == NCP_OK && (!slots || !x.scratch || !x.iv || !plan->windows))
+    if (st == NCP_OK && (!slots || !by_owner || !owner_first || !x.scratch || !x.iv || !plan->windows))
         st = oom();
     if (st == NCP_OK) st = ncp_magi_dispatch(cu, n_cu, cp_size, x.chunk, x.T_pad, plan->owner.data);
     if (st == NCP_OK) {
@@ -464,6 +500,11 @@ ncp_status ncp_plan_build(const int32_t *cu, int32_t n_cu, int32_t cp_size, int3
         x.chunk_slot = slots;
         memset(x.scratch, 0, (size_t)cp_size * sizeof(int32_t)); /* per-rank chunk counter */
         for (int32_t c = 0; c < x.n_chunks; ++c) slots[c] = x.scratch[x.owner[c]]++;
+        owner_first[0] = 0; /* the chunks grouped by owner: a counting sort, ascending within each */
+        for (int32_t r = 0; r < cp_size; ++r) owner_first[r + 1] = owner_first[r] + x.scratch[r];
+        for (int32_t c = 0; c < x.n_chunks; ++c) by_owner[owner_first[x.owner[c]] + slots[c]] = c;
+        x.by_owner = by_owner;
+        x.owner_first = owner_first;
         for (int32_t c = 0; c < x.n_chunks; ++c)
             if (x.owner[c] == cp_rank) run_push(&local, (int64_t)slots[c] * x.chunk, x.chunk, 1, (int64_t)c * x.chunk, 1);
         if (local.failed) st = oom();
@@ -473,6 +514,8 @@ ncp_status ncp_plan_build(const int32_t *cu, int32_t n_cu, int32_t cp_size, int3
         for (int32_t wi = 0; st == NCP_OK && wi < n_windows; ++wi) st = build_window(&x, windows[wi], &plan->windows[wi]);
     }
     free(slots);
+    free(by_owner);
+    free(owner_first);
     free(x.scratch);
     free(x.iv);
     if (st != NCP_OK) ncp_plan_free(plan);
