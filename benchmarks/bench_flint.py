@@ -49,8 +49,9 @@ CFG = SimpleNamespace(num_attention_heads=32, num_key_value_heads=4, head_dim=12
                       magi_chunk_size=512)  # fmt: skip
 
 
-def _median_us(fn, reps):
-    fn()
+def _median_us(fn, reps, warmup=1):
+    for _ in range(warmup):
+        fn()
     ts = []
     for _ in range(reps):
         t0 = time.perf_counter()
@@ -77,7 +78,9 @@ def plan_rows(reps):
     for name, T, doc in (("128k, 8k docs", 131072, 8192), ("128k, one doc", 131072, 131072), ("1M, one doc", 1 << 20, 1 << 20)):
         cu = torch.arange(0, T + 1, doc, dtype=torch.int32)
         grp = SimulatedGroup(8, 3)
-        us = _median_us(lambda: flint._build_magi_plan(cu, CFG, grp), reps if T < 1 << 20 else 5)
+        # a build takes tens of microseconds: many repetitions after a warm-up, so that the median
+        # is not one of a cold process's first calls
+        us = _median_us(lambda: flint._build_magi_plan(cu, CFG, grp), 10 * reps if T < 1 << 20 else 5, warmup=10)
         py = _median_us(lambda: rmagi.dispatch(cu, 8, 512), 3) if T < 1 << 20 else float("nan")
         peak = subprocess.run([sys.executable, "-c", _PEAK, str(T)], capture_output=True, text=True,
                               cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # fmt: skip
