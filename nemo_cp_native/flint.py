@@ -348,9 +348,6 @@ def _config_int(config, name: str, default=None) -> Optional[int]:
     return value
 
 
-_MAX_CHUNKS = 1 << 26  # chunks of one pack: the partition's tables hold one entry each
-
-
 def _min_chunks_per_rank() -> int:
     """MagiAttention's MAGI_ATTENTION_MIN_CHUNKS_PER_RANK (default 8), a positive int."""
     raw = os.environ.get("MAGI_ATTENTION_MIN_CHUNKS_PER_RANK", "8")
@@ -383,26 +380,28 @@ def _build_magi_plan(cu_seqlens: Tensor, config, group) -> FlintMagiPlan:
         raise ValueError("config.magi_chunk_size must be a positive int (or None for the default 512); got 0")
     min_chunks = _min_chunks_per_rank()
     cp, rank = _group_size_rank(group)
-    if cu_seqlens.numel() >= 2:  # refuse packs whose tables cannot be built, before allocating them
-        try:
-            chunk_eff, padded = _C.magi_geometry(int(cu_seqlens[-1]), cp, chunk, min_chunks)
-        except ValueError:  # the plan build below names what is wrong with cu_seqlens
-            chunk_eff, padded = 1, 0
-        if padded // chunk_eff > _MAX_CHUNKS:
-            raise ValueError(f"cu_seqlens: a pack of {int(cu_seqlens[-1])} tokens in chunks of {chunk_eff} needs "
-                             f"{padded // chunk_eff} chunks; at most {_MAX_CHUNKS} are supported (raise "
-                             f"config.magi_chunk_size)")  # fmt: skip
     windows = (0, window) if window > 0 else (0,)
+    # C refuses a pack of more than 2^26 chunks (its tables hold one entry per chunk) before allocating
     raw = _C.plan_build(dl(cu_seqlens.contiguous()), cp, rank, chunk, min_chunks, windows)
     keys = {}
     for w in raw["windows"]:
-        keys[w["window"]] = MagiAttentionKey(
+        keys[w["window"]] = _new_key(
             window=w["window"], total_seqlen=raw["total"], total_seqlen_q=raw["total_padded"],
             chunk_size=raw["chunk_size"], cp_size=cp, cp_rank=rank, num_heads_q=hq, num_heads_kv=hkv, head_dim=d,
             visible_pairs=w["visible_pairs"], send_counts=w["send_counts"], recv_counts=w["recv_counts"],
             table_off=w["table_off"], runs=w["runs"], local_runs=raw["local_runs"], group=group,
         )  # fmt: skip
     return FlintMagiPlan(keys=keys)
+
+
+def _new_key(**fields) -> MagiAttentionKey:
+    """``MagiAttentionKey(**fields)`` (every field but ``_cache``) without the frozen dataclass's
+    per-field ``object.__setattr__`` (the plan build's host path): the same object, its fields in
+    its ``__dict__``, a fresh cache (tests/test_flint_plan.py compares the two)."""
+    key = object.__new__(MagiAttentionKey)
+    key.__dict__.update(fields)
+    key.__dict__["_cache"] = {}
+    return key
 
 
 # ------------------------------------------------------------------------------------------

@@ -475,3 +475,28 @@ def test_plan_holds_runs_per_chunk_not_entries_per_token(cu, cp, window):
         n = w["table_off"][-1]
         got = flint._expand(runs, n, torch.device("cpu"), [])
         assert torch.equal(got, rmagi.expand_runs(runs, n))
+
+
+def test_plan_keys_are_the_dataclass_built_field_by_field():
+    """The plan build makes its keys without the frozen dataclass's __init__ (flint._new_key): they
+    must be the objects MagiAttentionKey(...) makes, every field set, a cache of their own."""
+    import dataclasses
+
+    plan = flint._build_magi_plan(pack_documents([300, 200]), config(window=33, chunk=64), testing.SimulatedGroup(2, 1))
+    names = [f.name for f in dataclasses.fields(flint.MagiAttentionKey)]
+    for w, key in plan.keys.items():
+        assert type(key) is flint.MagiAttentionKey and key.window == w
+        assert set(vars(key)) == set(names)
+        made = flint.MagiAttentionKey(**{n: getattr(key, n) for n in names if n != "_cache"})
+        assert all(getattr(made, n) == getattr(key, n) for n in names)
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            key.window = 5
+    assert plan.keys[0]._cache is not plan.keys[33]._cache  # each key writes out its own tables
+    assert not torch.equal(plan.keys[0].recv_pos, plan.keys[33].recv_pos)
+
+
+def test_build_refuses_a_pack_of_too_many_chunks_before_allocating():
+    cu = torch.tensor([0, 2**27], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"cu_seqlens: a pack of 134217728 tokens in chunks of 1 needs 134217728 "
+                                         r"chunks; at most 67108864 are supported \(raise config.magi_chunk_size\)"):
+        flint._build_magi_plan(cu, config(chunk=1), None)

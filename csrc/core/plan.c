@@ -476,6 +476,11 @@ ncp_status ncp_plan_build(const int32_t *cu, int32_t n_cu, int32_t cp_size, int3
     memset(&x, 0, sizeof x);
     x.cu = cu, x.n_cu = n_cu, x.cp = cp_size, x.rank = cp_rank, x.T = cu[n_cu - 1];
     NCP_TRY(ncp_magi_geometry(x.T, cp_size, requested_chunk, min_chunks_per_rank, &x.chunk, &x.T_pad));
+    /* refused before anything is allocated: the partition's tables hold one entry per chunk */
+    NCP_ARG_CHECK(x.T_pad / x.chunk <= NCP_PLAN_MAX_CHUNKS,
+                  "cu_seqlens: a pack of %" PRId64 " tokens in chunks of %" PRId32 " needs %" PRId64
+                  " chunks; at most %d are supported (raise config.magi_chunk_size)",
+                  x.T, x.chunk, x.T_pad / x.chunk, NCP_PLAN_MAX_CHUNKS);
     x.n_chunks = (int32_t)(x.T_pad / x.chunk);
     x.L = (int32_t)(x.T_pad / cp_size);
     plan->total = x.T;

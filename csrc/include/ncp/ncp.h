@@ -418,7 +418,9 @@ typedef struct {
 /* Builds rank `cp_rank`'s plan for every window in `windows` (0 = full causal, W = W keys counting
  * the current token) over one shared MinHeap partition. Deterministic: every rank computes the
  * same partition and exchange tables, so no collective is needed. Its cost grows with the chunks
- * and documents, not with the tokens. */
+ * and documents, not with the tokens. A pack of more than NCP_PLAN_MAX_CHUNKS chunks is refused
+ * (INVALID_ARG) before anything is allocated. */
+#define NCP_PLAN_MAX_CHUNKS (1 << 26)
 ncp_status ncp_plan_build(const int32_t *cu_seqlens, int32_t n_cu, int32_t cp_size, int32_t cp_rank,
                           int32_t requested_chunk, int32_t min_chunks_per_rank, const int32_t *windows,
                           int32_t n_windows, ncp_plan *plan);
