@@ -510,8 +510,8 @@ ncp_status ncp_plan_build(const int32_t *cu, int32_t n_cu, int32_t cp_size, int3
         for (int32_t c = 0; c < x.n_chunks; ++c) by_owner[owner_first[x.owner[c]] + slots[c]] = c;
         x.by_owner = by_owner;
         x.owner_first = owner_first;
-        for (int32_t c = 0; c < x.n_chunks; ++c)
-            if (x.owner[c] == cp_rank) run_push(&local, (int64_t)slots[c] * x.chunk, x.chunk, 1, (int64_t)c * x.chunk, 1);
+        for (int32_t j = owner_first[cp_rank]; j < owner_first[cp_rank + 1]; ++j)
+            run_push(&local, (int64_t)(j - owner_first[cp_rank]) * x.chunk, x.chunk, 1, (int64_t)by_owner[j] * x.chunk, 1);
         if (local.failed) st = oom();
         plan->local_runs = local.data;
         plan->n_local_runs = local.n;

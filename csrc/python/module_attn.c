@@ -15,7 +15,7 @@
  *   attn_debug(*, portable=None, grid=None, whole_tiles=None, order_waves=None) -> the previous
  *                 (portable, grid, whole_tiles, order_waves); test hooks of the dispatcher
  * Every tensor fact is checked once, by the core validator (csrc/core/attn_args.c).
- *   magi_geometry, magi_dispatch, plan_build (host only).
+ *   magi_dispatch, plan_build (host only).
  */
 #include <string.h>
 
@@ -235,20 +235,6 @@ static int host_i32_1d(PyObject *obj, const char *name, ncp_view *v) {
         return -1;
     }
     return 0;
-}
-
-PyObject *ncp_py_magi_geometry(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
-    (void)m;
-    int64_t total;
-    int32_t cp, req, minc, chunk;
-    int64_t padded;
-    if (ncp_py_nargs("magi_geometry", nargs, 4) < 0 || ncp_py_i64(args[0], "total", &total) < 0 ||
-        ncp_py_i32(args[1], "cp_size", &cp) < 0 || ncp_py_i32(args[2], "requested_chunk", &req) < 0 ||
-        ncp_py_i32(args[3], "min_chunks_per_rank", &minc) < 0)
-        return NULL;
-    ncp_status st = ncp_magi_geometry(total, cp, req, minc, &chunk, &padded);
-    if (st != NCP_OK) return ncp_py_raise(st);
-    return Py_BuildValue("(iL)", (int)chunk, (long long)padded);
 }
 
 PyObject *ncp_py_magi_dispatch(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {

@@ -14,7 +14,6 @@ PyObject *ncp_py_sink_attn_bwd_workspace(PyObject *m, PyObject *const *args, Py_
 PyObject *ncp_py_sink_attn_kernels(PyObject *m, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
 PyObject *ncp_py_sink_attn_check_mask(PyObject *m, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
 PyObject *ncp_py_attn_debug(PyObject *m, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
-PyObject *ncp_py_magi_geometry(PyObject *m, PyObject *const *args, Py_ssize_t nargs);
 PyObject *ncp_py_magi_dispatch(PyObject *m, PyObject *const *args, Py_ssize_t nargs);
 PyObject *ncp_py_plan_build(PyObject *m, PyObject *const *args, Py_ssize_t nargs);
 /* module_cp.c */
@@ -53,8 +52,6 @@ PyObject *ncp_py_runs_expand(PyObject *m, PyObject *const *args, Py_ssize_t narg
     NCP_KW_METHOD("runs_expand", ncp_py_runs_expand,                                                                 \
                   "runs_expand(*, runs, out, runs_dev=None, stream=None): out[o + t * stride] = val + t * step for "  \
                   "every run (o, len, stride, val, step) of the host table runs (a plan's tables)."),               \
-    {"magi_geometry", (PyCFunction)(void (*)(void))ncp_py_magi_geometry, METH_FASTCALL,                             \
-     "magi_geometry(total, cp_size, requested_chunk, min_chunks_per_rank) -> (chunk_size, total_padded)."},         \
     {"magi_dispatch", (PyCFunction)(void (*)(void))ncp_py_magi_dispatch, METH_FASTCALL,                             \
      "magi_dispatch(cu_seqlens_host, cp_size, chunk_size, total_padded, owner_out)."},                              \
     {"plan_build", (PyCFunction)(void (*)(void))ncp_py_plan_build, METH_FASTCALL,                                   \
