@@ -10,7 +10,7 @@
 #   OUT=/tmp/out NCP_COMMIT=<sha> bash benchmarks/gpu_run.sh [stage ...]
 # Set NCP_COMMIT from the machine that holds the repository: the device tool's copy of .git can be
 # stale, so `git rev-parse` run there may name an older commit than the tree it copied.
-# stages: build baseline test sanitize probe profile kernels attn ab abmimo abhint order host mimo profmimo flint demo all (default: all; order:
+# stages: build baseline test sanitize probe profile srcprof kernels attn ab abmimo abhint order host mimo profmimo flint demo all (default: all; order:
 # bench_bwd_order.py, atomic and deterministic, ORDER_ARGS; probe: the
 # racecheck mbarrier probe, profile: Nsight Compute on named kernels, PROF_RUNS, PROF_ENV; profmimo:
 # benchmarks/profile_mimo.py; abmimo: benchmarks/ab_mimo.py (.baseline against this tree); abhint:
@@ -105,6 +105,25 @@ if [[ " $STAGES " == *" profile "* ]]; then  # only when named: Nsight Compute, 
       $PY benchmarks/profile_attn.py ${b:+--bwd} $c >> "$OUT/ncu.txt" 2>&1
     note "ncu $c $k: exit $?"
   done
+fi
+
+if [[ " $STAGES " == *" srcprof "* ]]; then  # only when named: Nsight Compute stall sampling per SASS instruction (srcprof.tar.gz)
+  # SRCPROF_RUNS like PROF_RUNS; per item a text summary (srcprof.txt) and the SASS page as CSV (in srcprof.tar.gz)
+  mkdir -p /tmp/srcprof
+  for item in ${SRCPROF_RUNS:-flint-8k-causal:sink_attn_fwd_sm90 flint-8k-w513:sink_attn_fwd_sm90}; do
+    IFS=: read -r c k b <<< "$item"
+    tag="${c}_${k}${b:+_bwd}"
+    echo "==== $c $k (${PROF_ENV:-defaults})" >> "$OUT/srcprof.txt"
+    env ${PROF_ENV:-} timeout ${PROF_TIMEOUT:-200} ncu --clock-control none --kernel-name regex:$k --launch-skip 3 --launch-count 1 \
+      --section SpeedOfLight --section WarpStateStats --section SourceCounters --import-source no -f -o /tmp/srcprof/$tag \
+      $PY benchmarks/profile_attn.py ${b:+--bwd} $c >> "$OUT/srcprof.txt" 2>&1
+    note "ncu srcprof $c $k: exit $?"
+    ncu -i /tmp/srcprof/$tag.ncu-rep --print-details all >> "$OUT/srcprof.txt" 2>&1
+    ncu -i /tmp/srcprof/$tag.ncu-rep --page source --csv --print-source sass > /tmp/srcprof/$tag.csv 2>> "$OUT/srcprof.txt" \
+      || ncu -i /tmp/srcprof/$tag.ncu-rep --page source --csv > /tmp/srcprof/$tag.csv 2>> "$OUT/srcprof.txt"
+    note "sass page $tag: $(wc -l < /tmp/srcprof/$tag.csv) lines"
+  done
+  tar -C /tmp/srcprof -czf "$OUT/srcprof.tar.gz" --exclude='*.ncu-rep' . 
 fi
 
 if want kernels; then
