@@ -12,6 +12,7 @@ import gc
 import os
 import statistics
 import sys
+import time
 
 import torch
 
@@ -27,7 +28,40 @@ from nemo_cp_native.testing import count_syncs, fake_mesh, make_mimo_batch  # no
 IMG, VID = 151655, 151656
 
 
+def _py_us() -> float:
+    t0 = time.perf_counter_ns()
+    sum(range(20000))
+    return (time.perf_counter_ns() - t0) / 1e3
+
+
+def _torch_us() -> float:
+    t0 = time.perf_counter_ns()
+    for _ in range(10):
+        torch.empty(8)
+    return (time.perf_counter_ns() - t0) / 1e4
+
+
+def _cpu() -> str:
+    try:
+        with open("/proc/self/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[36]
+    except OSError:
+        return "?"
+
+
+def _throttled() -> str:
+    for path in ("/sys/fs/cgroup/cpu.stat", "/sys/fs/cgroup/cpu/cpu.stat"):
+        try:
+            with open(path) as f:
+                d = dict(line.split() for line in f if line.strip())
+            return f"throttled {d.get('nr_throttled', '?')} ({d.get('throttled_usec', d.get('throttled_time', '?'))})"
+        except OSError:
+            continue
+    return "no cgroup cpu.stat"
+
+
 def main() -> None:
+    print(f"affinity {sorted(os.sched_getaffinity(0))}, torch threads {torch.get_num_threads()}", flush=True)
     for C in (1, 4):
         g = torch.Generator().manual_seed(0)
         batch = make_mimo_batch(8, 32768, num_chunks=C, cp_size=8, docs_per_row=(16, 64), image_token_id=IMG,
@@ -40,6 +74,10 @@ def main() -> None:
             ref_fn = lambda: ref.shard_batch_for_mimo_te(mesh, None, dict(batch), **opts)  # noqa: E731
 
             def measure(label):
+                py = statistics.median(_py_us() for _ in range(50))
+                te = statistics.median(_torch_us() for _ in range(50))
+                print(f"C={C} {label:28s} pure-Python loop {py:7.1f} us, torch.empty {te:5.2f} us, threads "
+                      f"{len(os.listdir('/proc/self/task'))}, cpu {_cpu()}, {_throttled()}", flush=True)  # fmt: skip
                 w = statistics.median(wall_sync_us(nat_fn, 50, warmup=3) for _ in range(3))
                 h = host_spin_us(nat_fn, 50, spin=4_000_000)
                 with mimo_reference_fast_te():

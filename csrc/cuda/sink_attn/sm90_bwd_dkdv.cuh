@@ -195,10 +195,10 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
      * over all KVB keys; D = 64, all columns over the warpgroup's own 64 keys. */
     __device__ __forceinline__ void issue_dq(float *dq, uint32_t sDS, uint32_t sKcol, int key0) const {
         constexpr int kDqKeys = D == 128 ? KVB : 64;
+        const uint32_t la = sm90::desc_lo(sDS + key0 * 128, KQB * 128), lb = sm90::desc_lo(sKcol, KVB * 128);
 #pragma unroll
-        for (int ks = 0; ks < kDqKeys / 16; ++ks)
-            sm90::wgmma<T, 64>::template ss<1, 1>(dq, sm90::desc_mnmajor(sDS + (key0 + 16 * ks) * 128, KQB * 128),
-                                                  sm90::desc_mnmajor(sKcol + ks * 16 * 128, KVB * 128), ks > 0);
+        for (int ks = 0; ks < kDqKeys / 16; ++ks) /* k-step ks: + 16 rows of 128 bytes in both */
+            sm90::wgmma<T, 64>::template ss<1, 1>(dq, sm90::desc_of(la + ks * 128), sm90::desc_of(lb + ks * 128), ks > 0);
     }
     /* Zeros this warpgroup's 64 key rows of a dS^T tile (rows of 128 bytes, swizzled within a row). */
     __device__ __forceinline__ void zero_ds_rows(uint32_t sDS) const {
@@ -250,10 +250,10 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
                 sm90::fence_regs(dk, D / 2);
                 sm90::fence_regs(dq, 32);
                 sm90::wg_fence();
+                const uint32_t la = sm90::desc_lo(sDS + 64 * cw * 128, 16), lb = sm90::desc_lo(sQ(s), KQB * 128);
 #pragma unroll
-                for (int ks = 0; ks < KQB / 16; ++ks) /* dK += dS^T Q */
-                    sm90::wgmma<T, D>::template ss<0, 1>(dk, sm90::desc_kmajor(sDS + 64 * cw * 128 + ks * 32),
-                                                         sm90::desc_mnmajor(sQ(s) + ks * 16 * 128, KQB * 128), 1);
+                for (int ks = 0; ks < KQB / 16; ++ks) /* dK += dS^T Q; k-step ks: + 32 bytes of A, 16 rows of B */
+                    sm90::wgmma<T, D>::template ss<0, 1>(dk, sm90::desc_of(la + ks * 2), sm90::desc_of(lb + ks * 128), 1);
                 issue_dq(dq, sDS, sKcol, key0);
                 sm90::wg_commit();
                 if (SKIP) f = wait_item(it + 1);

@@ -164,13 +164,15 @@ __device__ __forceinline__ void named_sync_unaligned(int id, int threads) {
 __device__ __forceinline__ void named_arrive(int id, int threads) {
     asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
-__device__ __forceinline__ uint64_t desc_kmajor(uint32_t addr) {
-    return (uint64_t)((addr & 0x3FFFFu) >> 4) | ((uint64_t)1 << 16) | ((uint64_t)(1024 >> 4) << 32) | ((uint64_t)1 << 62);
-}
-__device__ __forceinline__ uint64_t desc_mnmajor(uint32_t addr, uint32_t lbo) {
-    return (uint64_t)((addr & 0x3FFFFu) >> 4) | ((uint64_t)(lbo >> 4) << 16) | ((uint64_t)(1024 >> 4) << 32) |
-           ((uint64_t)1 << 62);
-}
+/* wgmma shared-memory descriptors of 128B-swizzled tiles: the low word holds the start address >> 4
+ * (bits 0-13) and the leading byte offset >> 4 (bits 16-29); the high word (stride byte offset 1024,
+ * 128B swizzle) is the same for every descriptor here. A CTA's shared addresses lie below 2^18
+ * (228 KiB), so for off a multiple of 16 with addr + off inside the CTA's shared memory the low
+ * word of addr + off is desc_lo(addr) + (off >> 4): no carry leaves the start field. Loops over the
+ * k-steps of a tile add to the low word (one integer add per MMA, not the mask and shifts again). */
+constexpr uint32_t kDescHi = (1024u >> 4) | (1u << 30);
+__device__ __forceinline__ uint32_t desc_lo(uint32_t addr, uint32_t lbo) { return ((addr & 0x3FFFFu) >> 4) | ((lbo >> 4) << 16); }
+__device__ __forceinline__ uint64_t desc_of(uint32_t lo) { return ((uint64_t)kDescHi << 32) | lo; }
 #endif /* NCP_SM90_DEVICE */
 
 /* The register split of a CTA of one producer and W - 1 consumer warpgroups, launched with

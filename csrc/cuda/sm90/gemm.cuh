@@ -20,10 +20,11 @@ template <typename T, int N, int D>
 __device__ __forceinline__ void gemm_ss(float *acc, uint32_t a, uint32_t a_cb, uint32_t b, uint32_t b_cb) {
     fence_regs(acc, N / 2);
     wg_fence();
+    const uint32_t la = desc_lo(a, 16), lb = desc_lo(b, 16); /* k-step ks: + (ks / 4) cb + 32 (ks % 4) bytes */
 #pragma unroll
     for (int ks = 0; ks < D / 16; ++ks)
-        wgmma<T, N>::template ss<0, 0>(acc, desc_kmajor(a + (ks >> 2) * a_cb + (ks & 3) * 32),
-                                       desc_kmajor(b + (ks >> 2) * b_cb + (ks & 3) * 32), ks > 0);
+        wgmma<T, N>::template ss<0, 0>(acc, desc_of(la + (ks >> 2) * (a_cb >> 4) + (ks & 3) * 2),
+                                       desc_of(lb + (ks >> 2) * (b_cb >> 4) + (ks & 3) * 2), ks > 0);
     wg_commit();
 }
 
@@ -31,9 +32,10 @@ __device__ __forceinline__ void gemm_ss(float *acc, uint32_t a, uint32_t a_cb, u
  * the first k-step overwrites acc (no zeroing of the accumulators beforehand). */
 template <typename T, int N, int K>
 __device__ __forceinline__ void rs_steps(float *acc, uint32_t (*a)[4], uint32_t b, uint32_t lbo, int keep = 1) {
+    const uint32_t lb = desc_lo(b, lbo); /* k-step kk: + 16 rows of 128 bytes */
 #pragma unroll
     for (int kk = 0; kk < K / 16; ++kk)
-        wgmma<T, N>::template rs<1>(acc, a[kk], desc_mnmajor(b + kk * 16 * 128, lbo), kk > 0 || keep);
+        wgmma<T, N>::template rs<1>(acc, a[kk], desc_of(lb + kk * 128), kk > 0 || keep);
 }
 
 template <typename T, int N, int K>
