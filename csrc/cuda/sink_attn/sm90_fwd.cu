@@ -38,7 +38,11 @@ __global__ void __launch_bounds__(kThreads, 1)
         return;
     }
     Split::consumer();
-    Consumer<T, D, Mask> c(p, sm, wg - 1, halves != 0);
+    /* D = 128: the warpgroup index taken from lane 0 is warp-uniform to the compiler, so the MMAs'
+     * shared-memory descriptors live in uniform registers (no per-MMA register-to-uniform moves).
+     * D = 64 keeps the plain index: with it ptxas 13.0 serializes the table-mask kernels' wgmma. */
+    const int cw = D == 128 ? __shfl_sync(0xffffffffu, wg - 1, 0) : wg - 1;
+    Consumer<T, D, Mask> c(p, sm, cw, halves != 0);
     c.run();
 #else
     __trap(); /* never launched: the dispatcher picks this kernel only on sm_90a builds and devices */
