@@ -29,6 +29,10 @@ Native == reference is verified once per case before timing. Per row:
 - ``host_us_stream`` (CUDA, ``native(metaCPU)``, the row with no sync): 8 calls back to back behind
   one long spin, host time per call: the cost per call of a loop whose host runs ahead of the GPU
   (warm caches; ``host_us`` times each call from idle, after a device sync);
+- ``paired`` (CUDA, ``native(metaCPU)``): that row and ``ref(fastTE)`` timed again in alternating
+  rounds, each beside a fixed pure-Python loop (the host's speed at that moment), with the ratio
+  per round: the H200's host ran the same loop 250 or 490 us in different stretches of one process
+  (``probe_mimo_order.py``), and the columns above time the two paths at different moments;
 - on the native row: ``pass_ms``/``pass_GB/s``, the device side of ``_C.mimo_run`` alone (CUDA
   events, queued, L2 flushed: the staged table copy plus the fused kernel; on the CPU the whole C
   call), with bytes = the ids/labels/positions gathered (read in their dtype, written as int64),
@@ -156,6 +160,32 @@ def host_us(fn, *, cuda, warmup=3, reps=20):
     return statistics.median(times)
 
 
+def py_loop_us() -> float:
+    """A fixed pure-Python loop (sum(range(20000))), median of 20: the host's speed at that moment."""
+    ts = []
+    for _ in range(20):
+        t0 = time.perf_counter_ns()
+        sum(range(20000))
+        ts.append((time.perf_counter_ns() - t0) / 1e3)
+    return statistics.median(ts)
+
+
+def paired_rounds(native, ref_fast, reps, rounds=6):
+    """native(metaCPU) and ref(fastTE) timed in alternating rounds (wall with a device sync, GPU clocks
+    up), each round beside the pure-Python control loop: the ratio per round, so both paths see the
+    same host speed (on the H200's host it moved about 2x between states within one process)."""
+    out = []
+    for _ in range(rounds):
+        py = py_loop_us()
+        n = wall_sync_us(native, reps, warmup=3, warm_gpu=True)
+        r = wall_sync_us(ref_fast, 5, warmup=1, warm_gpu=True)
+        out.append({"py_loop_us": round(py, 1), "native_us": round(n, 1), "ref_fastTE_us": round(r, 1),
+                    "x_fastTE": round(r / n, 1)})  # fmt: skip
+    ratios = sorted(x["x_fastTE"] for x in out)
+    return {"rounds": out, "x_fastTE_median": statistics.median(ratios), "x_fastTE_min": ratios[0],
+            "x_fastTE_max": ratios[-1]}  # fmt: skip
+
+
 WALL_METHOD = ("ms: GPU clocks up (a 50 ms GPU spin before the repetitions, as in a training loop), then each call "
                "+ a device sync, median; ms_idle: the same from an idle GPU (the method of runs before 2026-12-04)")
 BAR_SPEEDUP = {1: 20.0, 4: 50.0}  # issue 16: native vs ref(fastTE) wall time, on the H200
@@ -206,6 +236,10 @@ def run_case(name, B, S, C, cp, rank, docs, device, reps, ref_reps, seed):
                 if impl == "native(metaCPU)":
                     row["host_us_stream"] = round(host_us_stream(fn, spin=10 * SPIN_CYCLES), 1)
             rows.append(row)
+    if cuda:  # the host's speed changes about 2x between states (probe_mimo_order.py): pair the two paths
+        meta_row = next(r for r in rows if r["impl"] == "native(metaCPU)")
+        with fake_mesh(cp, rank) as mesh, _fast_te():
+            meta_row["paired"] = paired_rounds(impls["native(metaCPU)"][0], impls["ref(fastTE)"][0], reps)
     run_pass = _pass_fn(batch, C, cp, rank)
     pass_ms = time_cuda(run_pass, reps=reps, flush_l2=True, queued=True) if cuda else time_cpu(run_pass, warmup=3, reps=reps)
     rows[0]["pass_ms"] = round(pass_ms, 4)
@@ -266,6 +300,12 @@ def main(argv=None):
     print(f"device: {args.device}  (ms: end to end, median; x_fastTE = ref(fastTE) ms / ms, the headline; "
           "host_us: queued behind a GPU spin on CUDA; pass: the C call's device work alone)")  # fmt: skip
     print_table(rows, columns)
+    for row in rows:
+        if "paired" in row:
+            pr = row["paired"]
+            print(f"{row['case']} native(metaCPU) vs ref(fastTE) in alternating rounds: "
+                  + ", ".join(f"{x['x_fastTE']}x (loop {x['py_loop_us']} us)" for x in pr["rounds"])
+                  + f"; median {pr['x_fastTE_median']}x")  # fmt: skip
     for row in rows:
         if "bar" in row:
             print(f"issue-16 bar (set for the H200) {row['case']} {row['impl']}: "

@@ -229,6 +229,11 @@ def render_mimo(paths: list[str]) -> str:
             if nat and meta and fast and "ms_idle" in fast:  # runs that also time from an idle GPU
                 ratio += (f" (idle GPU: {fast['ms_idle'] / nat['ms_idle']:.1f}x / "
                           f"{fast['ms_idle'] / meta['ms_idle']:.1f}x)")  # fmt: skip
+            if meta and "paired" in meta:  # runs since 2026-12-04 18:00: alternating rounds
+                pr = meta["paired"]
+                ratio += (f"; alternating rounds (`seq_lens` on CPU): {pr['x_fastTE_min']}x-{pr['x_fastTE_max']}x, "
+                          f"median {pr['x_fastTE_median']}x, host loop "
+                          f"{min(x['py_loop_us'] for x in pr['rounds'])}-{max(x['py_loop_us'] for x in pr['rounds'])} µs")  # fmt: skip
             any_idle = any_idle or "ms_idle" in (fast or {})
             pass_ = f"{nat['pass_ms']} ms, {nat['pass_GB/s']} GB/s" if nat and "pass_ms" in nat else "–"
             host = (f"{meta['host_us']} / {meta['host_us_stream']}" if meta and "host_us_stream" in meta
