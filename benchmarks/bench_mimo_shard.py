@@ -182,7 +182,7 @@ def paired_rounds(native, ref_fast, reps, rounds=6):
         out.append({"py_loop_us": round(py, 1), "native_us": round(n, 1), "ref_fastTE_us": round(r, 1),
                     "x_fastTE": round(r / n, 1)})  # fmt: skip
     ratios = sorted(x["x_fastTE"] for x in out)
-    return {"rounds": out, "x_fastTE_median": statistics.median(ratios), "x_fastTE_min": ratios[0],
+    return {"rounds": out, "x_fastTE_median": round(statistics.median(ratios), 1), "x_fastTE_min": ratios[0],
             "x_fastTE_max": ratios[-1]}  # fmt: skip
 
 

@@ -232,7 +232,7 @@ def render_mimo(paths: list[str]) -> str:
             if meta and "paired" in meta:  # runs since 2026-12-04 18:00: alternating rounds
                 pr = meta["paired"]
                 ratio += (f"; alternating rounds (`seq_lens` on CPU): {pr['x_fastTE_min']}x-{pr['x_fastTE_max']}x, "
-                          f"median {pr['x_fastTE_median']}x, host loop "
+                          f"median {pr['x_fastTE_median']:g}x, host loop "
                           f"{min(x['py_loop_us'] for x in pr['rounds'])}-{max(x['py_loop_us'] for x in pr['rounds'])} µs")  # fmt: skip
             any_idle = any_idle or "ms_idle" in (fast or {})
             pass_ = f"{nat['pass_ms']} ms, {nat['pass_GB/s']} GB/s" if nat and "pass_ms" in nat else "–"
