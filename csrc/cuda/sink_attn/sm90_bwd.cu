@@ -55,8 +55,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     Split::consumer();
     /* The warpgroup index from lane 0 is warp-uniform to the compiler: the MMA descriptors then live
-     * in uniform registers. Not in the deterministic kernel, where ptxas then spills a few bytes. */
-    DkdvConsumer<T, D, ADQ> c(p, w, bar, base, s_l2, s_dl, s_kb, ADQ ? __shfl_sync(0xffffffffu, wg - 1, 0) : wg - 1);
+     * in uniform registers. */
+    DkdvConsumer<T, D, ADQ> c(p, w, bar, base, s_l2, s_dl, s_kb, __shfl_sync(0xffffffffu, wg - 1, 0));
     sm90::mbar_wait(bar.stat(), 0);
     if constexpr (ADQ) c.template run_adq<SKIP>(ws.dq_accum);
     else c.template run_det<SKIP>();

@@ -13,6 +13,8 @@
  * Instantiations: 2 dtypes x 2 head dims x 2 masks = 8.
  * Test: pytest tests/test_sink_attention_cuda.py   Bench: python benchmarks/bench_sink_attention.py
  */
+#include <type_traits>
+
 #include "launch.h"
 #include "sm90_fwd_consumer.cuh"
 
@@ -38,10 +40,11 @@ __global__ void __launch_bounds__(kThreads, 1)
         return;
     }
     Split::consumer();
-    /* D = 128: the warpgroup index taken from lane 0 is warp-uniform to the compiler, so the MMAs'
-     * shared-memory descriptors live in uniform registers (no per-MMA register-to-uniform moves).
-     * D = 64 keeps the plain index: with it ptxas 13.0 serializes the table-mask kernels' wgmma. */
-    const int cw = D == 128 ? __shfl_sync(0xffffffffu, wg - 1, 0) : wg - 1;
+    /* The warpgroup index taken from lane 0 is warp-uniform to the compiler, so the MMAs' shared-memory
+     * descriptors live in uniform registers (no per-MMA register-to-uniform moves). The D = 64 table
+     * kernels keep the plain index: with it ptxas 13.0 serializes their wgmma. */
+    constexpr bool kUniform = D == 128 || !std::is_same<Mask, TableMask>::value;
+    const int cw = kUniform ? __shfl_sync(0xffffffffu, wg - 1, 0) : wg - 1;
     Consumer<T, D, Mask> c(p, sm, cw, halves != 0);
     c.run();
 #else
