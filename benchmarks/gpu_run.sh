@@ -123,7 +123,7 @@ if [[ " $STAGES " == *" srcprof "* ]]; then  # only when named: Nsight Compute s
       || ncu -i /tmp/srcprof/$tag.ncu-rep --page source --csv > /tmp/srcprof/$tag.csv 2>> "$OUT/srcprof.txt"
     note "sass page $tag: $(wc -l < /tmp/srcprof/$tag.csv) lines"
   done
-  tar -C /tmp/srcprof -czf "$OUT/srcprof.tar.gz" --exclude='*.ncu-rep' . 
+  tar -C /tmp/srcprof -czf "$OUT/srcprof.tar.gz" --exclude='*.ncu-rep' .
 fi
 
 if want kernels; then

@@ -54,9 +54,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         return;
     }
     Split::consumer();
-    /* The warpgroup index from lane 0 is warp-uniform to the compiler: the MMA descriptors then live
-     * in uniform registers. */
-    DkdvConsumer<T, D, ADQ> c(p, w, bar, base, s_l2, s_dl, s_kb, __shfl_sync(0xffffffffu, wg - 1, 0));
+    DkdvConsumer<T, D, ADQ> c(p, w, bar, base, s_l2, s_dl, s_kb, sm90::warp_uniform(wg - 1));
     sm90::mbar_wait(bar.stat(), 0);
     if constexpr (ADQ) c.template run_adq<SKIP>(ws.dq_accum);
     else c.template run_det<SKIP>();
@@ -92,7 +90,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         return;
     }
     Split::consumer();
-    const int cw = __shfl_sync(0xffffffffu, wg - 1, 0) /* warp-uniform: descriptors in uniform registers */, tq = lane & 3, row0 = 64 * cw + 16 * ((tid & 127) >> 5) + (lane >> 2);
+    const int cw = sm90::warp_uniform(wg - 1), tq = lane & 3, row0 = 64 * cw + 16 * ((tid & 127) >> 5) + (lane >> 2);
     int lo[2], hi[2];
     float l2[2], dl[2];
 #pragma unroll

@@ -250,7 +250,7 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
                 sm90::fence_regs(dk, D / 2);
                 sm90::fence_regs(dq, 32);
                 sm90::wg_fence();
-                const uint32_t la = sm90::desc_lo(sDS + 64 * cw * 128, 16), lb = sm90::desc_lo(sQ(s), KQB * 128);
+                const uint32_t la = sm90::desc_lo(sDS + 64 * cw * 128, sm90::kLboKMajor), lb = sm90::desc_lo(sQ(s), KQB * 128);
 #pragma unroll
                 for (int ks = 0; ks < KQB / 16; ++ks) /* dK += dS^T Q; k-step ks: + 32 bytes of A, 16 rows of B */
                     sm90::wgmma<T, D>::template ss<0, 1>(dk, sm90::desc_of(la + ks * 2), sm90::desc_of(lb + ks * 128), 1);

@@ -40,11 +40,10 @@ __global__ void __launch_bounds__(kThreads, 1)
         return;
     }
     Split::consumer();
-    /* The warpgroup index taken from lane 0 is warp-uniform to the compiler, so the MMAs' shared-memory
-     * descriptors live in uniform registers (no per-MMA register-to-uniform moves). The D = 64 table
-     * kernels keep the plain index: with it ptxas 13.0 serializes their wgmma. */
+    /* Descriptors in uniform registers (sm90::warp_uniform), except in the D = 64 table kernels:
+     * with it ptxas 13.0 serializes their wgmma. */
     constexpr bool kUniform = D == 128 || !std::is_same<Mask, TableMask>::value;
-    const int cw = kUniform ? __shfl_sync(0xffffffffu, wg - 1, 0) : wg - 1;
+    const int cw = kUniform ? sm90::warp_uniform(wg - 1) : wg - 1;
     Consumer<T, D, Mask> c(p, sm, cw, halves != 0);
     c.run();
 #else

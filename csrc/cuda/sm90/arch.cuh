@@ -164,6 +164,11 @@ __device__ __forceinline__ void named_sync_unaligned(int id, int threads) {
 __device__ __forceinline__ void named_arrive(int id, int threads) {
     asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
+/* x as lane 0 holds it: the compiler then knows the value is warp-uniform and keeps what derives
+ * from it (the consumers' shared-memory descriptors) in uniform registers, with no per-MMA
+ * register-to-uniform moves. For values every lane already holds alike (a warpgroup's index). */
+__device__ __forceinline__ int warp_uniform(int x) { return __shfl_sync(0xffffffffu, x, 0); }
+
 /* wgmma shared-memory descriptors of 128B-swizzled tiles: the low word holds the start address >> 4
  * (bits 0-13) and the leading byte offset >> 4 (bits 16-29); the high word (stride byte offset 1024,
  * 128B swizzle) is the same for every descriptor here. A CTA's shared addresses lie below 2^18
@@ -171,6 +176,7 @@ __device__ __forceinline__ void named_arrive(int id, int threads) {
  * word of addr + off is desc_lo(addr) + (off >> 4): no carry leaves the start field. Loops over the
  * k-steps of a tile add to the low word (one integer add per MMA, not the mask and shifts again). */
 constexpr uint32_t kDescHi = (1024u >> 4) | (1u << 30);
+constexpr uint32_t kLboKMajor = 16; /* a K-major swizzled operand's leading byte offset field (1) */
 __device__ __forceinline__ uint32_t desc_lo(uint32_t addr, uint32_t lbo) { return ((addr & 0x3FFFFu) >> 4) | ((lbo >> 4) << 16); }
 __device__ __forceinline__ uint64_t desc_of(uint32_t lo) { return ((uint64_t)kDescHi << 32) | lo; }
 #endif /* NCP_SM90_DEVICE */

@@ -20,7 +20,8 @@ template <typename T, int N, int D>
 __device__ __forceinline__ void gemm_ss(float *acc, uint32_t a, uint32_t a_cb, uint32_t b, uint32_t b_cb) {
     fence_regs(acc, N / 2);
     wg_fence();
-    const uint32_t la = desc_lo(a, 16), lb = desc_lo(b, 16); /* k-step ks: + (ks / 4) cb + 32 (ks % 4) bytes */
+    /* k-step ks: + (ks / 4) column blocks + 32 (ks % 4) bytes */
+    const uint32_t la = desc_lo(a, kLboKMajor), lb = desc_lo(b, kLboKMajor);
 #pragma unroll
     for (int ks = 0; ks < D / 16; ++ks)
         wgmma<T, N>::template ss<0, 0>(acc, desc_of(la + (ks >> 2) * (a_cb >> 4) + (ks & 3) * 2),
