@@ -70,3 +70,22 @@ def test_import_of_a_new_run_rerenders_the_page(records, tmp_path, monkeypatch):
     assert "2030-01-02_abc1234_mimo.json" in text and "0065101_mimo_cpu.json" in text  # the CPU run stays
     assert "| NVIDIA H200 | B8 | 0.300 (1 sync) |" in text
     assert records.main(["--check", "--page", page]) == 0
+
+
+def test_srcprof_summary_counts_samples_by_reason_kind_and_instruction(tmp_path):
+    """benchmarks/srcprof_summary.py on a small SASS page in Nsight Compute's CSV layout."""
+    summary = _module("srcprof_summary")
+    head = ["Address", "Source", "Warp Stall Sampling (All Samples)", "stall_wait", "stall_barrier",
+            "stall_wait (Not Issued)"]  # fmt: skip
+    body = [["0x1000", "HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], R24", "10", "10", "0", "9"],
+            ["0x1010", "WARPGROUP.DEPBAR.LE gsb0, 0x0", "30", "0", "30", "0"],
+            ["0x1020", "MUFU.EX2 R5, R5", "60", "60", "0", "50"]]  # fmt: skip
+    path = tmp_path / "page.csv"
+    path.write_text("\n".join(",".join(f'"{c}"' for c in row) for row in [["Kernel Name", "k"], head, *body]) + "\n")
+    text = summary.summarize(str(path), top=2)
+    assert "3 instructions, 100 samples" in text
+    lines = [" ".join(line.split()) for line in text.splitlines()]
+    assert "wait 70.0%" in lines and "barrier 30.0%" in lines  # the Not Issued columns kept apart
+    assert "wgmma wait (WARPGROUP.DEPBAR) 30.0%" in lines and "exp2 (MUFU) 60.0%" in lines
+    top = text.split("top 2 instructions")[1].splitlines()[1:]
+    assert len(top) == 2 and "+00020 MUFU.EX2" in top[0] and "+00010 WARPGROUP.DEPBAR" in top[1]
