@@ -29,7 +29,8 @@ __global__ void __launch_bounds__(kThreads, 1)
                               const ncp_sink_attn_params p, int halves) {
 #ifdef NCP_SM90_DEVICE
     extern __shared__ unsigned char smem_raw[];
-    const Smem<D> sm{(smem_u32(smem_raw) + 1023u) & ~1023u};
+    const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
+    const Smem<D> sm{base, reinterpret_cast<int *>(smem_raw + (base - smem_u32(smem_raw)))};
     const int wg = threadIdx.x / 128;
     if (threadIdx.x == 0) sm.init_barriers();
     __syncthreads();
@@ -37,6 +38,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         Split::producer();
         if (threadIdx.x == 0)
             produce<D>(sm, TileScheduler(p.Tq, p.Hq, BM), Mask(p), p.Hq / p.Hkv, &tm_q, &tm_k, &tm_v, &tm_o);
+        else if (threadIdx.x / 32 == 1)
+            produce_facts<D>(sm, TileScheduler(p.Tq, p.Hq, BM), Mask(p), p, halves != 0);
         return;
     }
     Split::consumer();
@@ -44,7 +47,7 @@ __global__ void __launch_bounds__(kThreads, 1)
      * with it ptxas 13.0 serializes their wgmma. */
     constexpr bool kUniform = D == 128 || !std::is_same<Mask, TableMask>::value;
     const int cw = kUniform ? sm90::warp_uniform(wg - 1) : wg - 1;
-    Consumer<T, D, Mask> c(p, sm, cw, halves != 0);
+    Consumer<T, D, Mask> c(p, sm, cw);
     c.run();
 #else
     __trap(); /* never launched: the dispatcher picks this kernel only on sm_90a builds and devices */

@@ -1,8 +1,8 @@
 /*
  * sink_attn/sm90_fwd_consumer.cuh: a consumer warpgroup of the Hopper forward (layout, producer
  * and the schedule in sm90_fwd_mainloop.cuh). Per item: S(0) alone, then turns that issue S(it)
- * with P(it-1) V(it-1), then the last P V and the epilogue; the next item's tile range, row bounds
- * and sink are loaded while the current item finishes.
+ * with P(it-1) V(it-1), then the last P V and the epilogue. The item's tile range, half-tile codes,
+ * row bounds and sink come from shared memory (Facts, written by the producer's facts warp).
  *
  * ptxas serializes the wgmma pipeline (C7515) when control flow merges while an MMA is in flight,
  * so the shape of every issue (half or whole tile) is chosen at compile time and branches go around
@@ -21,56 +21,52 @@ template <int N> struct ic { static constexpr int value = N; };
 #ifdef NCP_SM90_DEVICE
 template <typename T, int D, class Mask> struct Consumer {
     static constexpr int NQ = Layout<D>::n_q;
+    /* The softmax of S(it) above the wait for P(it-1) V(it-1) (see turn): against the same kernel
+     * without it, forward causal 8k / 32k +1.0% / +2.5%, windows within 1.7% either way (H200,
+     * 7796434). Not with D = 64, whose wgmma ptxas 13.0 then serializes (C7511). */
+    static constexpr bool kOverlap = D == 128;
     const ncp_sink_attn_params &p;
-    const Mask mask;
     const Smem<D> sm;
     const TileScheduler sched;
     const int cw, lane, tq, row0, pp_me, pp_other;
     const uint32_t cw_off; /* this warpgroup's 64 rows in every column block */
     const float scale_log2;
-    const bool scale_pos, has_sink, halves;
+    const bool scale_pos, has_sink;
 
-    int kv0 = 0;           /* kv tiles consumed before this item */
-    Item w, w_next;
-    int lo[2], hi[2], lo_next[2], hi_next[2]; /* bounds of the thread's rows */
-    int hc_first = 0, hc_last = 0, hc_first_next = 0, hc_last_next = 0;
-    float sink_next = -INFINITY;
+    int kv0 = 0;    /* kv tiles consumed before this item */
+    Item w;
+    int lo[2], hi[2]; /* bounds of the thread's rows */
+    int hc_first = 0, hc_last = 0;
     OnlineSoftmax sm_;
     float o[D / 2], sc[BN / 2];
     uint32_t pf[BN / 16][4];
 
-    __device__ __forceinline__ Consumer(const ncp_sink_attn_params &p_, const Smem<D> &s, int cw_, bool halves_)
-        : p(p_), mask(p_), sm(s), sched(p_.Tq, p_.Hq, BM), cw(cw_), lane(threadIdx.x & 31), tq(lane & 3),
+    __device__ __forceinline__ Consumer(const ncp_sink_attn_params &p_, const Smem<D> &s, int cw_)
+        : p(p_), sm(s), sched(p_.Tq, p_.Hq, BM), cw(cw_), lane(threadIdx.x & 31), tq(lane & 3),
           row0(64 * cw_ + 16 * ((threadIdx.x & 127) >> 5) + (lane >> 2)), pp_me(kPP + cw_), pp_other(kPP + 1 - cw_),
           cw_off(cw_ * 64 * 128), scale_log2((float)p_.scale * kLog2e), scale_pos(scale_log2 > 0.f),
-          has_sink(p_.sink != nullptr), halves(halves_) {}
+          has_sink(p_.sink != nullptr) {}
 
     __device__ __forceinline__ int slot(int it) const { return KV::slot(kv0 + it); }
     __device__ __forceinline__ uint32_t phase(int it) const { return KV::full_phase(kv0 + it); }
     __device__ __forceinline__ int half_of(int it) const { return it == 0 ? hc_first : (it == w.n_it - 1 ? hc_last : 0); }
 
-    /* ---- the next item's facts, loaded while this one finishes ---------------------------------- */
-    __device__ __forceinline__ void prefetch(int t) {
-        if (!sched.valid(t)) return;
-        w_next = item_at(sched, mask, t);
-        hc_first_next = hc_last_next = 0;
-        if (halves && w_next.n_it > 0) {
-            /* This warpgroup's rows wq0 .. wq0 + 63 see keys in [wklo, wkhi] only; rows past Tq see
-             * none, and any half is exact for them. */
-            const int wq0 = w_next.q0 + 64 * cw;
-            int wklo = INT_MAX, wkhi = -1;
-            if (wq0 < p.Tq) {
-                wkhi = mask.hi(min(wq0 + 63, p.Tq - 1));
-                wklo = mask.lo(wq0);
-            }
-            const bool lo_first = wkhi < w_next.rng.kt_hi * BN + BN / 2; /* tile 0: keys 64-127 unseen */
-            const bool hi_last = wklo >= w_next.rng.kt_lo * BN + BN / 2; /* last tile: keys 0-63 unseen */
-            hc_first_next = lo_first ? 1 : (w_next.n_it == 1 && hi_last ? 2 : 0);
-            hc_last_next = w_next.n_it > 1 && hi_last ? 2 : 0;
-        }
+    /* ---- the item's facts (Facts; q_full of its buffer waited) ---------------------------------- */
+    __device__ __forceinline__ float load_facts(int qb) {
+        const int *f = sm.facts(qb);
+        w.h = f[Facts::kH];
+        w.q0 = f[Facts::kQ0];
+        w.n_it = f[Facts::kNIt];
+        w.rng = q_tile_range{f[Facts::kKtLo], f[Facts::kKtHi], f[Facts::kHiFirst], f[Facts::kLoLast],
+                             f[Facts::kRowsComplete]};
+        hc_first = f[Facts::kHc + 2 * cw];
+        hc_last = f[Facts::kHc + 2 * cw + 1];
 #pragma unroll
-        for (int r = 0; r < 2; ++r) row_bounds(mask, w_next.q0 + row0 + 8 * r, lo_next[r], hi_next[r]);
-        if (has_sink) sink_next = __ldg(reinterpret_cast<const float *>(p.sink) + w_next.h) * kLog2e;
+        for (int r = 0; r < 2; ++r) {
+            lo[r] = f[Facts::kLo + row0 + 8 * r];
+            hi[r] = f[Facts::kHi + row0 + 8 * r];
+        }
+        return __int_as_float(f[Facts::kSink]);
     }
 
     /* ---- MMAs --------------------------------------------------------------------------------- */
@@ -169,19 +165,22 @@ template <typename T, int D, class Mask> struct Consumer {
         sm90::fence_regs(sc, BN / 2);
         release_k(s);
         softmax_n<H ? BN / 2 : BN>(it, H ? 2 : 0);
+        /* ptxas places the wait below at the top of the basic block that holds it, so without a block
+         * boundary the softmax runs after P(it-1) V(it-1) instead of under it; the wait for V(it)
+         * (needed by P(it) V(it) next anyway) ends the block. */
+        if constexpr (kOverlap) sm90::mbar_wait(sm.v_full(s), phase(it));
         sm90::wg_wait<0>();
         sm90::fence_regs(o, D / 2);
         fence_p(); /* P(it-1) registers stay untouched until its MMA finished */
         release_v(sp);
         to_p(H ? 2 : 0);
     }
-    /* The last P V (no turn of its own); the next item's facts load while it runs. */
-    __device__ __forceinline__ void last_pv(int next_t) {
+    /* The last P V (no turn of its own). */
+    __device__ __forceinline__ void last_pv() {
         const int n_it = w.n_it, sl = slot(n_it - 1);
         if (n_it > 1) sm_.template rescale<D>(o);
         sm90::mbar_wait(sm.v_full(sl), phase(n_it - 1));
         issue_pv(sl, n_it > 1);
-        prefetch(next_t);
         sm90::wg_wait<0>();
         sm90::fence_regs(o, D / 2);
         fence_p();
@@ -219,21 +218,14 @@ template <typename T, int D, class Mask> struct Consumer {
         /* Warpgroup 1 arrives once up front and warpgroup 0 takes one extra turn at the end, so
          * every generation of the ping-pong barriers completes. */
         if (cw == 1) sm90::named_arrive(kPP, 256);
-        prefetch(sched.first());
         for (int t = sched.first(), n = 0; sched.valid(t); t = sched.next(t), ++n) {
-            w = w_next;
             const int qb = n % NQ;
             const uint32_t sQ = sm.q(qb);
-#pragma unroll
-            for (int r = 0; r < 2; ++r) lo[r] = lo_next[r], hi[r] = hi_next[r];
-            hc_first = hc_first_next;
-            hc_last = hc_last_next;
-            sm_.init(sink_next, has_sink, tq);
-            sm90::mbar_wait(sm.q_full(qb), (uint32_t)((n / NQ) & 1));
+            sm90::mbar_wait(sm.q_full(qb), (uint32_t)((n / NQ) & 1)); /* Q loaded, facts written */
+            sm_.init(load_facts(qb), has_sink, tq);
             if (w.n_it == 0) { /* no visible key: O = 0, lse = the sink's */
 #pragma unroll
                 for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
-                prefetch(sched.next(t));
                 epilogue(qb);
                 continue;
             }
@@ -243,7 +235,7 @@ template <typename T, int D, class Mask> struct Consumer {
                 if (hc_last != 0) turn<1>(sQ, w.n_it - 1);
                 else turn<0>(sQ, w.n_it - 1);
             }
-            last_pv(sched.next(t));
+            last_pv();
             epilogue(qb);
             kv0 += w.n_it;
         }

@@ -5,18 +5,20 @@
  * softmax) and epilogue.
  *
  * CTA = 3 warpgroups over BM = 128 query rows of one head: warpgroup 0 is the producer (one thread
- * issues TMA), warpgroups 1-2 are consumers of 64 rows each. Kv tiles of BN = 128 keys in a
- * 2-stage ring, K and V slots freed separately (K once S is done, V after P V). On the persistent
- * grid the Q tile is double-buffered and the ring, its phases and the ping-pong turns run on across
- * items, so the producer loads item n + 1 while the consumers finish item n. The epilogue stages O
- * in the warpgroup's own rows of the item's Q buffer; the producer stores it with TMA (rows past Tq
- * are not written) as soon as both warpgroups are done with it.
+ * issues TMA; warp 1 writes each item's facts, Facts, beside its Q buffer), warpgroups 1-2 are
+ * consumers of 64 rows each. The consumers search no mask themselves: their searches, even hidden
+ * under an item's last P V, cost the window forward 7-10% (docs/EXPERIMENTS.md). Kv tiles of BN =
+ * 128 keys in a 2-stage ring, K and V slots freed separately (K once S is done, V after P V). On
+ * the persistent grid the Q tile is double-buffered and the ring, its phases and the ping-pong
+ * turns run on across items, so the producer loads item n + 1 while the consumers finish item n.
+ * The epilogue stages O in the warpgroup's own rows of the item's Q buffer; the producer stores it
+ * with TMA (rows past Tq are not written) as soon as both warpgroups are done with it.
  *
  * Ping-pong: the consumer warpgroups take turns issuing MMAs (named barriers kPP, kPP + 1), and
  * inside a warpgroup S(it) and P(it-1) V(it-1) are issued together so the softmax of S(it) overlaps
- * P(it-1) V(it-1). Half tiles: when a warpgroup's 64 rows cannot see one 64-key half of the item's
- * first or last kv tile, it computes S and the softmax on the other half only (P V stays K = 128
- * with zeros, so the bits are those of whole tiles).
+ * P(it-1) V(it-1) (with D = 128; see Consumer::kOverlap). Half tiles: when a warpgroup's 64 rows
+ * cannot see one 64-key half of the item's first or last kv tile, it computes S and the softmax on
+ * the other half only (P V stays K = 128 with zeros, so the bits are those of whole tiles).
  */
 #ifndef NCP_SINK_ATTN_SM90_FWD_MAINLOOP_CUH
 #define NCP_SINK_ATTN_SM90_FWD_MAINLOOP_CUH
@@ -43,27 +45,43 @@ constexpr int kPP = 3;             /* named barriers kPP, kPP + 1: ping-pong tur
 constexpr int kSmemLimit = 232448; /* opt-in dynamic shared memory per block on sm_90 */
 using KV = sm90::Ring<kStages>;
 
-/* Q buffers (two when they fit: item n + 1 loads during item n), the K and V rings, barriers. */
+/* Q buffers (two when they fit: item n + 1 loads during item n), the K and V rings, the item
+ * facts of each Q buffer (Facts), barriers. */
 template <int D> struct Layout {
     static constexpr int q_bytes = BM * D * 2;
     static constexpr int kv_bytes = BN * D * 2;
+    static constexpr int facts_bytes = 64 + 2 * BM * 4; /* header, then lo[BM], hi[BM] */
     static constexpr int n_bars = 4 + 4 * kStages; /* q_full[2], q_empty[2], k/v_full[S], k/v_empty[S] */
-    static constexpr int n_q = 2 * q_bytes + 2 * kStages * kv_bytes + n_bars * 8 + 1024 <= kSmemLimit ? 2 : 1;
+    static constexpr int n_q =
+        2 * (q_bytes + facts_bytes) + 2 * kStages * kv_bytes + n_bars * 8 + 1024 <= kSmemLimit ? 2 : 1;
     static constexpr int k_off = n_q * q_bytes;
     static constexpr int v_off = k_off + kStages * kv_bytes;
-    static constexpr int bar_off = v_off + kStages * kv_bytes;
+    static constexpr int facts_off = v_off + kStages * kv_bytes;
+    static constexpr int bar_off = facts_off + n_q * facts_bytes;
     static constexpr int bytes = bar_off + n_bars * 8 + 1024; /* + slack to align to 1024 */
     static_assert(bytes <= kSmemLimit, "forward tiles exceed the shared memory of an sm_90 block");
+};
+
+/* The facts of one item, written by the producer's facts warp (produce_facts) next to its Q buffer
+ * and read by the consumers once q_full says the buffer is loaded: the item (Item), per consumer
+ * warpgroup the half-tile codes of its first and last kv tile, the sink (log2 domain), and the key
+ * bounds [lo, hi] of each of the BM rows (row_bounds). The consumers do no mask search of their own. */
+struct Facts {
+    enum : int { kH, kQ0, kNIt, kKtLo, kKtHi, kHiFirst, kLoLast, kRowsComplete, kHc /* [cw][first, last] */,
+                 kSink = kHc + 4, kHeaderInts = 16 };
+    static constexpr int kLo = kHeaderInts, kHi = kHeaderInts + BM; /* int offsets of lo[BM], hi[BM] */
 };
 
 /* Shared-memory addresses of one CTA. */
 template <int D> struct Smem {
     using L = Layout<D>;
     uint32_t base;
+    int *gen; /* the same aligned base as a generic pointer (the facts are read and written through it) */
     __device__ __forceinline__ uint32_t q(int b) const { return base + b * L::q_bytes; }
     __device__ __forceinline__ uint32_t k(int s) const { return base + L::k_off + s * L::kv_bytes; }
     __device__ __forceinline__ uint32_t v(int s) const { return base + L::v_off + s * L::kv_bytes; }
     __device__ __forceinline__ uint32_t bar(int i) const { return base + L::bar_off + 8u * i; }
+    __device__ __forceinline__ int *facts(int b) const { return gen + (L::facts_off + b * L::facts_bytes) / 4; }
     __device__ __forceinline__ uint32_t q_full(int b) const { return bar(b); }
     __device__ __forceinline__ uint32_t q_empty(int b) const { return bar(2 + b); }
     __device__ __forceinline__ uint32_t k_full(int s) const { return bar(4 + s); }
@@ -73,7 +91,7 @@ template <int D> struct Smem {
 #ifdef NCP_SM90_DEVICE
     __device__ __forceinline__ void init_barriers() const {
         for (int b = 0; b < 2; ++b) {
-            sm90::mbar_init(q_full(b), 1);
+            sm90::mbar_init(q_full(b), 2); /* the Q load's expect_tx and the facts warp */
             sm90::mbar_init(q_empty(b), 8); /* one arrival per consumer warp after its epilogue */
         }
         for (int s = 0; s < kStages; ++s) {
@@ -162,6 +180,67 @@ __device__ __forceinline__ void produce(const Smem<D> &sm, const TileScheduler &
         store_next();
     }
     sm90::bulk_wait<0>();
+}
+
+/* Warp 1 of the producer warpgroup: the facts of every item (Facts) into the slot of its Q buffer,
+ * once the consumers released that buffer (q_empty, as the TMA thread waits before it loads Q
+ * there); its arrival is the second one q_full counts. Each lane takes rows lane, lane + 32, ... */
+template <int D, class Mask>
+__device__ __forceinline__ void produce_facts(const Smem<D> &sm, const TileScheduler &sched, const Mask &mask,
+                                              const ncp_sink_attn_params &p, bool halves) {
+    constexpr int NQ = Layout<D>::n_q;
+    const int lane = threadIdx.x & 31;
+    int n = 0;
+    for (int t = sched.first(); sched.valid(t); t = sched.next(t), ++n) {
+        const int qb = n % NQ;
+        if (n >= NQ) sm90::mbar_wait(sm.q_empty(qb), (uint32_t)((n / NQ - 1) & 1));
+        int *f = sm.facts(qb);
+        const int q0 = sched.tile(t) * BM;
+        for (int r = lane; r < BM; r += 32) {
+            int lo, hi;
+            row_bounds(mask, q0 + r, lo, hi);
+            f[Facts::kLo + r] = lo;
+            f[Facts::kHi + r] = hi;
+        }
+        __syncwarp();
+        /* The item from the rows' bounds: the values q_range (item_at, the TMA thread's list) asks
+         * the mask for, so the same kv tiles. Lane cw: warpgroup cw's half-tile codes. */
+        if (lane < 2) {
+            const int nr = min(BM, p.Tq - q0); /* real rows, >= 1 */
+            const int lo_first = f[Facts::kLo], hi_last = f[Facts::kHi + nr - 1];
+            const int kt_lo = lo_first / BN, kt_hi = hi_last >= lo_first ? hi_last / BN : kt_lo - 1;
+            const int n_it = max(0, kt_hi - kt_lo + 1);
+            int hc_first = 0, hc_last = 0;
+            const int wr = 64 * lane; /* warpgroup lane's first row */
+            if (halves && n_it > 0 && wr < nr) {
+                /* Its rows see keys in [lo(first), hi(last real)] only; with no real row (the other
+                 * branch) any half is exact. */
+                const bool lo_first_half = f[Facts::kHi + min(wr + 63, nr - 1)] < kt_hi * BN + BN / 2;
+                const bool hi_last_half = f[Facts::kLo + wr] >= kt_lo * BN + BN / 2;
+                hc_first = lo_first_half ? 1 : (n_it == 1 && hi_last_half ? 2 : 0);
+                hc_last = n_it > 1 && hi_last_half ? 2 : 0;
+            } else if (halves && n_it > 0) {
+                hc_first = 1; /* keys 64-127 of tile 0 unseen (wkhi = -1), as the search gave */
+                hc_last = n_it > 1 ? 2 : 0;
+            }
+            f[Facts::kHc + 2 * lane] = hc_first;
+            f[Facts::kHc + 2 * lane + 1] = hc_last;
+            if (lane == 0) {
+                f[Facts::kH] = sched.head(t);
+                f[Facts::kQ0] = q0;
+                f[Facts::kNIt] = n_it;
+                f[Facts::kKtLo] = kt_lo;
+                f[Facts::kKtHi] = kt_hi;
+                f[Facts::kHiFirst] = f[Facts::kHi];
+                f[Facts::kLoLast] = f[Facts::kLo + nr - 1];
+                f[Facts::kRowsComplete] = nr == BM;
+                const float sink = p.sink != nullptr ? __ldg(reinterpret_cast<const float *>(p.sink) + sched.head(t)) * kLog2e
+                                                     : -INFINITY;
+                f[Facts::kSink] = __float_as_int(sink);
+            }
+        }
+        sm90::warp_arrive(sm.q_full(qb)); /* mbarrier arrive: release of the stores above */
+    }
 }
 #endif /* NCP_SM90_DEVICE */
 
