@@ -47,7 +47,7 @@ __global__ void __launch_bounds__(kThreads, 1)
      * with it ptxas 13.0 serializes their wgmma. */
     constexpr bool kUniform = D == 128 || !std::is_same<Mask, TableMask>::value;
     const int cw = kUniform ? sm90::warp_uniform(wg - 1) : wg - 1;
-    Consumer<T, D, Mask> c(p, sm, cw);
+    Consumer<T, D> c(p, sm, cw);
     c.run();
 #else
     __trap(); /* never launched: the dispatcher picks this kernel only on sm_90a builds and devices */
