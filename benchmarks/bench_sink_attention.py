@@ -7,18 +7,22 @@ Automodel's flex path does). SDPA has no sink; it applies where the mask is plai
 equal-length document (batched). Every implementation is compared with ours before timing
 (``max|x-ncp|`` in the note).
 
-Two timings per row, both with ``baselines.time_gpu`` (L2 flushed before every repetition, CUDA
+Three timings per row, each with ``baselines.time_gpu`` (L2 flushed before every repetition, CUDA
 events, median):
 - ``do_bench`` (the ``fwd_*`` / ``fwdbwd_*`` keys): the call as a user makes it, default
-  arguments, on an idle GPU, so the host's work for the call counts;
-- ``queued`` (the ``*_queued`` keys; ``--method both`` or ``queued``): a GPU spin is queued before
+  arguments, on an idle GPU (the host waits for each call's end), so the host's work for the call
+  counts;
+- ``loop`` (the ``*_loop`` keys): the same calls in triton's ``do_bench`` loop, queued back to back
+  with one wait after the last: the host runs ahead as in a training loop, and its time counts
+  only where it exceeds the GPU's;
+- ``queued`` (the ``*_queued`` keys; ``--method all``, ``both`` or ``queued``): a GPU spin is queued before
   each call and our op runs with ``validate=False``, so the host launches while the GPU is busy
   and the events time the GPU work alone, as in a training step that keeps the queue full.
 By default every implementation of a case is timed round robin (one call each per round, each
 round starting at another row, medians over rounds), after ``--heat`` seconds of work.
 
     python benchmarks/bench_sink_attention.py [--quick] [--json out.json] [--cases a,b] [--no-flex]
-        [--impls ncp,ncp-nosink,ncp-deterministic,flex+sink,sdpa] [--method both|do_bench|queued]
+        [--impls ncp,ncp-nosink,ncp-deterministic,flex+sink,sdpa] [--method all|both|do_bench|loop|queued]
         [--variant NAME:VAR=VAL[,VAR=VAL]] [--no-interleave] [--reps N] [--heat S]
 """
 
@@ -43,7 +47,10 @@ from nemo_cp_native import baselines as bl  # noqa: E402
 from cases import ATTENTION_CASES as CASES  # noqa: E402
 QUICK = {"quick-causal": (8192, 2048, 8, 2, 128, 0), "quick-w128": (8192, 2048, 8, 2, 64, 128)}
 DEVICE = "cuda"  # the smoke test of this script runs it on the CPU with stand-ins for the GPU timers
-METHODS = {"both": ("do_bench", "queued"), "do_bench": ("do_bench",), "queued": ("queued",)}
+METHODS = {"all": ("do_bench", "loop", "queued"), "both": ("do_bench", "queued"), "do_bench": ("do_bench",),
+           "loop": ("loop",), "queued": ("queued",)}
+LOOP_REPS = 7  # loop method: calls queued back to back per round (their median is the round's figure)
+SUFFIX = {"do_bench": "", "loop": "_loop", "queued": "_queued"}
 
 
 @dataclass
@@ -151,14 +158,14 @@ def _time(impls: list[Impl], methods, reps: int, heat: float, interleave: bool) 
     """{(impl, method): (fwd ms, fwd+bwd ms)}."""
     out = {}
     for method in methods:
-        queued = method == "queued"
+        queued, loop = method == "queued", method == "loop"
         fns = {i.name: ((i.fwd_fast, i.fwdbwd_fast) if queued else (i.fwd, i.fwdbwd)) for i in impls}
         if not interleave:
             for i in impls:
                 with _env(i.env):
                     _heat(heat, fns[i.name][1])
                     out[i.name, method] = tuple(
-                        bl.time_gpu(fns[i.name][w], reps=n, queued=queued, grad_to_none=i.leaves)
+                        bl.time_gpu(fns[i.name][w], reps=n, queued=queued, loop=loop, grad_to_none=i.leaves)
                         for w, n in ((0, reps), (1, max(3, reps // 2))))  # fmt: skip
             continue
         with _env(impls[0].env):
@@ -168,7 +175,8 @@ def _time(impls: list[Impl], methods, reps: int, heat: float, interleave: bool) 
             for r in range(n + 2):  # 2 warm-up rounds
                 for i in impls[r % len(impls) :] + impls[: r % len(impls)]:
                     with _env(i.env):
-                        ms = bl.time_gpu(fns[i.name][which], reps=1, warmup=0, queued=queued, grad_to_none=i.leaves)
+                        ms = bl.time_gpu(fns[i.name][which], reps=LOOP_REPS if loop else 1, warmup=1 if loop else 0,
+                                         queued=queued, loop=loop, grad_to_none=i.leaves)  # fmt: skip
                     if r >= 2:
                         times[i.name, which].append(ms)
         for i in impls:
@@ -202,7 +210,7 @@ def bench_case(name, spec, *, flex: bool, reps: int, heat: float, only: frozense
         row = {**base, "impl": i.name}
         for method in methods:
             f_ms, fb_ms = times[i.name, method]
-            sfx = "" if method == "do_bench" else "_queued"
+            sfx = SUFFIX[method]
             row.update({f"fwd_ms{sfx}": round(f_ms, 3), f"fwd_tflops{sfx}": round(bl.tflops(fwd_flops, f_ms), 1),
                         f"fwdbwd_ms{sfx}": round(fb_ms, 3),
                         f"fwdbwd_tflops{sfx}": round(bl.tflops(3.5 * fwd_flops, fb_ms), 1)})  # fmt: skip
@@ -219,7 +227,7 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--heat", type=float, default=1.0, help="seconds of fwd+bwd before timing")
     ap.add_argument("--impls", default="", help="comma list of rows (default: all; sdpa for sdpa(no sink))")
-    ap.add_argument("--method", choices=tuple(METHODS), default="both")
+    ap.add_argument("--method", choices=tuple(METHODS), default="all")
     ap.add_argument("--variant", action="append", default=[],
                     help="an extra row of ours under environment switches, NAME:VAR=VAL[,VAR=VAL] (A/B runs)")
     ap.add_argument("--no-interleave", action="store_true", help="time the rows one after the other")
@@ -238,7 +246,7 @@ def main(argv=None):
     only = frozenset(args.impls.split(",")) | {n for n, _ in variants} if args.impls else frozenset()
     methods = METHODS[args.method]
     env = {**env_record(), "methods": list(methods), "reps": args.reps, "interleave": not args.no_interleave}
-    rows, cols = [], ["case", "impl", "fwd_tflops", "fwdbwd_tflops", "fwd_tflops_queued", "fwdbwd_tflops_queued"]
+    rows, cols = [], ["case", "impl"] + [f"{w}_tflops{SUFFIX[m]}" for m in methods for w in ("fwd", "fwdbwd")]
     for name, spec in cases.items():
         new = bench_case(name, spec, flex=not args.no_flex, reps=args.reps, heat=args.heat, only=only,
                          methods=methods, interleave=not args.no_interleave, variants=variants)  # fmt: skip

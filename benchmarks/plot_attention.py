@@ -3,7 +3,7 @@ and forward+backward, from a bench_sink_attention.py JSON. Needs matplotlib (the
 ``pip install -e .[bench]``); the JSON can come from a GPU machine that has none.
 
     python benchmarks/plot_attention.py [benchmarks/results/<run>_attn.json] [-o docs/attention_tflops.png]
-        [--method do_bench|queued]
+        [--method do_bench|loop|queued]
 
 Without a JSON argument it plots the file that BENCHMARKS.md's ``attn`` block cites.
 """

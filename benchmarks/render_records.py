@@ -77,7 +77,7 @@ def load_attn(path: str) -> dict:
         if "tokens" in r:
             shape[r["case"]] = (r["tokens"], r["doc"], r["heads"], r["D"], r["window"])
         for m in methods:
-            sfx = "_queued" if m == "queued" and not legacy else ""
+            sfx = "" if legacy else {"queued": "_queued", "loop": "_loop"}.get(m, "")
             ok = r.get("fwd_tflops" + sfx) is not None
             t[r["case"], r["impl"], m] = dict(fwd=r["fwd_tflops" + sfx], fb=r.get("fwdbwd_tflops" + sfx),
                                               fwd_ms=r["fwd_ms" + sfx], fb_ms=r.get("fwdbwd_ms" + sfx)) if ok else None  # fmt: skip
@@ -88,6 +88,9 @@ def method_text(a: dict, m: str) -> str:
     if m == "do_bench":
         return ("**do_bench**: each call as a user makes it (default arguments), on an idle GPU, L2 flushed "
                 "before every call, CUDA events, median")  # fmt: skip
+    if m == "loop":
+        return ("**loop**: the same calls in triton's `do_bench` loop (L2 flushed before every call, CUDA events, "
+                "one host wait after the last of 7 calls, median): the host runs ahead as in a training loop")  # fmt: skip
     if m == "queued":
         text = ("**queued**: a GPU spin queued before every call and `validate=False`, so the host launches "
                 "while the GPU is busy and the events time the GPU work; CUDA events, median")  # fmt: skip

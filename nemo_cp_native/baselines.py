@@ -170,20 +170,24 @@ def _flush_l2() -> None:
 
 
 def time_gpu(fn: Callable[[], object], *, reps: int = 20, warmup: int = 3, flush_l2: bool = True,
-             queued: bool = False, grad_to_none: Iterable[torch.Tensor] = ()) -> float:  # fmt: skip
+             queued: bool = False, loop: bool = False, grad_to_none: Iterable[torch.Tensor] = ()) -> float:  # fmt: skip
     """Median milliseconds of ``fn()`` on the current CUDA stream (triton ``do_bench`` style).
 
     Each repetition: the gradients of ``grad_to_none`` reset (so backward never accumulates),
     the L2 cache flushed by zeroing 256 MB (``flush_l2``), CUDA events recorded around ``fn()``.
-    Without ``queued`` the GPU is idle at the start event, so the host's work for the call
-    (argument checks, allocations, launches, any host sync) counts, as a user sees it. With
-    ``queued`` a GPU spin is queued first (``queue_gap``) and the host launches while it runs,
-    so the events time the GPU work, as in a training step that keeps the queue full."""
+    By default the host waits for each repetition's end event, so the GPU is idle at the next
+    start event and the host's work for the call (argument checks, allocations, launches, any
+    host sync) counts, as a user sees it on an idle GPU. With ``loop`` the repetitions are queued
+    back to back and the host waits once, after the last (triton's ``do_bench`` loop): the host
+    runs ahead of the GPU as in a training loop, so its time per call counts only where it
+    exceeds the GPU's (the flush and the call), and a host sync inside ``fn`` still drains the
+    queue. With ``queued`` a GPU spin is queued first (``queue_gap``) and the host launches while
+    it runs, so the events time the GPU work, as in a training step that keeps the queue full."""
     grads = list(grad_to_none)
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    times = []
+    events = []
     for _ in range(reps):
         for t in grads:
             t.grad = None
@@ -195,9 +199,12 @@ def time_gpu(fn: Callable[[], object], *, reps: int = 20, warmup: int = 3, flush
         start.record()
         fn()
         end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+        if not loop:
+            end.synchronize()
+        events.append((start, end))
+    if loop:
+        torch.cuda.synchronize()
+    return statistics.median(start.elapsed_time(end) for start, end in events)
 
 
 # ---------------------------------------------------------------------------------------------

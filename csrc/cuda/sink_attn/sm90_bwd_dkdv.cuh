@@ -17,8 +17,9 @@
  * q tile that sees the CTA's keys sees only their low half and the last one only the high half
  * (2 of 10 warpgroup items for a window of 513); under a causal mask only the first, about 1 in 65
  * at 8k, which does not pay for the per-item test. With D = 128 and atomic dQ the skipping
- * warpgroup still zeroes its rows of dS^T and computes its dQ columns (they take the other
- * warpgroup's keys).
+ * warpgroup still computes its dQ columns, over the other warpgroup's 64 keys alone, and the other
+ * warpgroup's dQ MMA then runs over its own 64 keys (half the k-steps each; the skipped rows of
+ * dS^T are never written nor read).
  */
 #ifndef NCP_SINK_ATTN_SM90_BWD_DKDV_CUH
 #define NCP_SINK_ATTN_SM90_BWD_DKDV_CUH
@@ -58,7 +59,7 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
     /* Waits for item it's stage a (Q, lse, Delta, key bounds) and returns this warpgroup's view of
      * it: bit 0, whether a row of the item sees one of the warpgroup's keys (else the warpgroup
      * skips the item: its P^T and dS^T are zero); bit 1, whether every row sees all of them (no
-     * mask pass). A skipping warpgroup still waits here, so it never arrives on a stage's empty
+     * mask pass); bit 2, whether a row sees one of the other warpgroup's keys. A skipping warpgroup still waits here, so it never arrives on a stage's empty
      * barrier for a later fill before the other warpgroup arrived for this one. The loops ask for
      * item it + 1 while item it's last MMAs run (the last item asks for itself again: its phase is
      * complete and its stage not refilled), so the test is off the MMA issue path. */
@@ -66,7 +67,7 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
         it = min(it, w.n_it - 1);
         const int s = Ring::slot(it);
         sm90::mbar_wait(bar.a(s), Ring::full_phase(it));
-        return vis.flags(s, 64 * cw);
+        return vis.flags(s, 64 * cw, 64 * (1 - cw));
     }
     /* S^T = K Q^T and dP^T = V dO^T of item it (stage a waited: wait_item), issued asynchronously. */
     __device__ __forceinline__ void issue_sdp(float *st, float *dpt, int it) const {
@@ -151,7 +152,7 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
             float st[KQB / 2], dpt[KQB / 2];
             uint32_t pf[KQB / 16][4], df[KQB / 16][4];
             f = sdp<SKIP>(st, dpt, it, f);
-            probs_cols(st, dpt, it, f >> 1, 0, KQB / 8);
+            probs_cols(st, dpt, it, (f >> 1) & 1u, 0, KQB / 8);
             to_frags<T, KQB>(pf, st);
             to_frags<T, KQB>(df, dpt);
             const int s = Ring::slot(it);
@@ -191,24 +192,24 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
         }
     }
 
-    /* dQ (this warpgroup's share) = dS K, issued asynchronously: D = 128, columns [64 cw, 64 cw + 64)
-     * over all KVB keys; D = 64, all columns over the warpgroup's own 64 keys. */
-    __device__ __forceinline__ void issue_dq(float *dq, uint32_t sDS, uint32_t sKcol, int key0) const {
-        constexpr int kDqKeys = D == 128 ? KVB : 64;
-        const uint32_t la = sm90::desc_lo(sDS + key0 * 128, KQB * 128), lb = sm90::desc_lo(sKcol, KVB * 128);
+    /* dK += dS^T Q (A: this warpgroup's dS^T rows at la, B: Q at lb), issued asynchronously after
+     * the register fences of dK and of the dQ accumulator the next MMAs write. */
+    __device__ __forceinline__ void issue_dk(uint32_t la, uint32_t lb, float *dq) {
+        sm90::fence_regs(dk, D / 2);
+        sm90::fence_regs(dq, 32);
+        sm90::wg_fence();
 #pragma unroll
-        for (int ks = 0; ks < kDqKeys / 16; ++ks) /* k-step ks: + 16 rows of 128 bytes in both */
+        for (int ks = 0; ks < KQB / 16; ++ks) /* k-step ks: + 32 bytes of A, 16 rows of B */
+            sm90::wgmma<T, D>::template ss<0, 1>(dk, sm90::desc_of(la + ks * 2), sm90::desc_of(lb + ks * 128), 1);
+    }
+    /* dQ (this warpgroup's share) = dS K over the CTA's keys [kb, kb + NK), issued asynchronously:
+     * D = 128, columns [64 cw, 64 cw + 64) (sKc: K's column block); D = 64, all 64 columns. */
+    template <int NK> __device__ __forceinline__ void issue_dq(float *dq, uint32_t sDS, uint32_t sKc, int kb) const {
+        const uint32_t la = sm90::desc_lo(sDS + kb * 128, KQB * 128), lb = sm90::desc_lo(sKc + kb * 128, KVB * 128);
+#pragma unroll
+        for (int ks = 0; ks < NK / 16; ++ks) /* k-step ks: + 16 rows of 128 bytes in both */
             sm90::wgmma<T, 64>::template ss<1, 1>(dq, sm90::desc_of(la + ks * 128), sm90::desc_of(lb + ks * 128), ks > 0);
     }
-    /* Zeros this warpgroup's 64 key rows of a dS^T tile (rows of 128 bytes, swizzled within a row). */
-    __device__ __forceinline__ void zero_ds_rows(uint32_t sDS) const {
-        const uint32_t rows = sDS + 64 * cw * 128;
-#pragma unroll
-        for (int i = 0; i < 4; ++i)
-            asm volatile("st.shared.v4.b32 [%0], {%1, %1, %1, %1};\n" ::"r"(rows + 16u * ((threadIdx.x & 127) + 128 * i)),
-                         "r"(0u));
-    }
-
     /* Atomic-dQ mode. D = 128: warpgroup cw computes dQ columns [64 cw, 64 cw + 64) over all 128
      * keys, so both warpgroups' dS^T must be in shared memory (named barrier kDsBar); D = 64: each
      * warpgroup adds its own 64 keys' share of all 64 columns. dS^T is double-buffered: a
@@ -218,7 +219,8 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
      * is (Hq, ceil(Tq / 64), D / 64, 4096) in fragment order (dq_frag_pos). */
     template <bool SKIP> __device__ __forceinline__ void run_adq(float *dq_accum) {
         const int key0 = D == 128 ? 0 : 64 * cw, cb = D == 128 ? cw : 0;
-        const uint32_t sKcol = sK() + cb * KVB * 128 + key0 * 128;
+        constexpr int kDqKeys = D == 128 ? KVB : 64;
+        const uint32_t sKc = sK() + cb * KVB * 128; /* K's column block of this warpgroup's dQ columns */
         const uint32_t sStw = base + L::stage_off + cw * 64 * 64 * 4;
         const bool leader = (threadIdx.x & 127) == 0;
         const int n_qt = (p.Tq + KQB - 1) / KQB;
@@ -237,7 +239,7 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
                 float st[KQB / 2], dpt[KQB / 2]; /* per item: no loop-carried accumulator copies */
                 uint32_t pf[KQB / 16][4];
                 f = sdp<SKIP>(st, dpt, it, f);
-                probs_to_smem(st, dpt, pf, sDS, it, f >> 1);
+                probs_to_smem(st, dpt, pf, sDS, it, (f >> 1) & 1u);
                 sm90::fence_regs(dv, D / 2);
                 sm90::wg_fence();
                 sm90::rs_steps<T, D, KQB>(dv, pf, sO(s), KQB * 128); /* dV += P^T dO */
@@ -247,34 +249,42 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
                 if (D == 128 && SKIP) sm90::named_sync_unaligned(kDsBar, 256); /* also reached from the branch below */
                 else if (D == 128) sm90::named_sync(kDsBar, 256);
                 else sm90::named_sync(1 + cw, 128);
-                sm90::fence_regs(dk, D / 2);
-                sm90::fence_regs(dq, 32);
-                sm90::wg_fence();
                 const uint32_t la = sm90::desc_lo(sDS + 64 * cw * 128, sm90::kLboKMajor), lb = sm90::desc_lo(sQ(s), KQB * 128);
-#pragma unroll
-                for (int ks = 0; ks < KQB / 16; ++ks) /* dK += dS^T Q; k-step ks: + 32 bytes of A, 16 rows of B */
-                    sm90::wgmma<T, D>::template ss<0, 1>(dk, sm90::desc_of(la + ks * 2), sm90::desc_of(lb + ks * 128), 1);
-                issue_dq(dq, sDS, sKcol, key0);
-                sm90::wg_commit();
-                if (SKIP) f = wait_item(it + 1);
-                sm90::wg_wait<0>();
+                if (D == 128 && SKIP && !(f & 4u)) { /* the other warpgroup's keys unseen: dQ over this one's */
+                    issue_dk(la, lb, dq);
+                    issue_dq<64>(dq, sDS, sKc, 64 * cw);
+                    sm90::wg_commit();
+                    f = wait_item(it + 1);
+                    sm90::wg_wait<0>();
+                } else {
+                    issue_dk(la, lb, dq);
+                    issue_dq<kDqKeys>(dq, sDS, sKc, key0);
+                    sm90::wg_commit();
+                    if (SKIP) f = wait_item(it + 1);
+                    sm90::wg_wait<0>();
+                }
                 sm90::fence_regs(dv, D / 2);
                 sm90::fence_regs(dk, D / 2);
                 sm90::fence_regs(dq, 32);
                 fence_frags(pf);
-            } else { /* D = 128, none of this warpgroup's keys seen: its rows of dS^T are zero, and its
-                      * dQ columns still take the other warpgroup's keys */
-                zero_ds_rows(sDS);
-                sm90::fence_proxy_async_smem();
+            } else { /* D = 128, none of this warpgroup's keys seen: its dS^T rows would be zero, so
+                      * neither warpgroup reads them (bit 2 of the other's flags), and its dQ columns
+                      * take the other warpgroup's keys alone, or are zero when no key is seen */
                 if (leader) sm90::bulk_wait_read<0>();
                 sm90::named_sync_unaligned(kDsBar, 256);
-                sm90::fence_regs(dq, 32);
-                sm90::wg_fence();
-                issue_dq(dq, sDS, sKcol, key0);
-                sm90::wg_commit();
-                f = wait_item(it + 1);
-                sm90::wg_wait<0>();
-                sm90::fence_regs(dq, 32);
+                if (f & 4u) {
+                    sm90::fence_regs(dq, 32);
+                    sm90::wg_fence();
+                    issue_dq<64>(dq, sDS, sKc, 64 * (1 - cw));
+                    sm90::wg_commit();
+                    f = wait_item(it + 1);
+                    sm90::wg_wait<0>();
+                    sm90::fence_regs(dq, 32);
+                } else {
+#pragma unroll
+                    for (int i = 0; i < 32; ++i) dq[i] = 0.f;
+                    f = wait_item(it + 1);
+                }
             }
             release(it);
 #pragma unroll

@@ -155,8 +155,9 @@ __device__ __forceinline__ void produce_dq(const q_tile_range &rng, int n_it, co
 /* For the mask pass of a partial dK/dV item: pair(s, col) loads the key bounds (key_bounds) of
  * columns col, col + 1 (col even) of the q tile in stage s; vis(bounds, r): whether the thread's
  * key k0 + krow + 8 r is seen by that column; all_visible(s): whether the item needs no mask pass;
- * flags(s, key0): how the item's rows see the 64 keys key0 .. key0 + 63 of the CTA (a
- * warpgroup's), for the consumers that skip. */
+ * flags(s, key0, okey0): how the item's rows see the 64 keys key0 .. key0 + 63 of the CTA (a
+ * warpgroup's) and whether they see one of okey0 .. okey0 + 63 (the other's), for the consumers
+ * that skip. */
 struct KeyVis {
     uint32_t kb; /* shared-space address of the key bounds, [kStages][KQB] uint16 */
     int krow;
@@ -181,9 +182,10 @@ struct KeyVis {
         return (first >> 8) == (uint32_t)KVB && (last & 0xffu) == 0u;
     }
     /* Bit 0: some row of the item in stage s sees one of the keys key0 .. key0 + 63; bit 1: every
-     * row sees all of them (no mask pass). Each lane tests two rows, the warp reduces; exact for
-     * any bounds (no monotonicity assumed; rows past Tq see nothing). */
-    __device__ __forceinline__ uint32_t flags(int s, int key0) const {
+     * row sees all of them (no mask pass); bit 2: some row sees one of the keys okey0 .. okey0 + 63
+     * (the other warpgroup's). Each lane tests two rows, the warp reduces; exact for any bounds (no
+     * monotonicity assumed; rows past Tq see nothing). */
+    __device__ __forceinline__ uint32_t flags(int s, int key0, int okey0) const {
         static_assert(KQB == 64, "a lane tests two rows");
         const uint32_t b2 = pair(s, 2 * (threadIdx.x & 31));
         uint32_t seen = 0, all = 1;
@@ -191,6 +193,7 @@ struct KeyVis {
         for (int c = 0; c < 2; ++c) {
             const int a = (int)(b2 >> (16 * c) & 0xffu), b = (int)(b2 >> (16 * c + 8) & 0xffu);
             seen |= a < b && a < key0 + 64 && b > key0 ? 1u : 0u;
+            seen |= a < b && a < okey0 + 64 && b > okey0 ? 4u : 0u;
             all &= a <= key0 && b >= key0 + 64 ? 1u : 0u;
         }
         return __reduce_or_sync(0xffffffffu, seen) | __reduce_and_sync(0xffffffffu, all) << 1;
