@@ -49,7 +49,7 @@ QUICK = {"quick-causal": (8192, 2048, 8, 2, 128, 0), "quick-w128": (8192, 2048, 
 DEVICE = "cuda"  # the smoke test of this script runs it on the CPU with stand-ins for the GPU timers
 METHODS = {"all": ("do_bench", "loop", "queued"), "both": ("do_bench", "queued"), "do_bench": ("do_bench",),
            "loop": ("loop",), "queued": ("queued",)}
-LOOP_REPS = 7  # loop method: calls queued back to back per round (their median is the round's figure)
+LOOP_REPS = 5  # loop method: calls queued back to back per round (their median is the round's figure)
 SUFFIX = {"do_bench": "", "loop": "_loop", "queued": "_queued"}
 
 

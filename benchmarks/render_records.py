@@ -90,7 +90,7 @@ def method_text(a: dict, m: str) -> str:
                 "before every call, CUDA events, median")  # fmt: skip
     if m == "loop":
         return ("**loop**: the same calls in triton's `do_bench` loop (L2 flushed before every call, CUDA events, "
-                "one host wait after the last of 7 calls, median): the host runs ahead as in a training loop")  # fmt: skip
+                "one host wait after the last of 5 calls, median): the host runs ahead as in a training loop")  # fmt: skip
     if m == "queued":
         text = ("**queued**: a GPU spin queued before every call and `validate=False`, so the host launches "
                 "while the GPU is busy and the events time the GPU work; CUDA events, median")  # fmt: skip
