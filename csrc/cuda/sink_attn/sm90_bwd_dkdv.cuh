@@ -211,7 +211,8 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
             sm90::wgmma<T, 64>::template ss<1, 1>(dq, sm90::desc_of(la + ks * 128), sm90::desc_of(lb + ks * 128), ks > 0);
     }
     /* Atomic-dQ mode. D = 128: warpgroup cw computes dQ columns [64 cw, 64 cw + 64) over all 128
-     * keys, so both warpgroups' dS^T must be in shared memory (named barrier kDsBar); D = 64: each
+     * keys (over the 64 seen ones when an item sees no key of one warpgroup: flags bit 2), so both
+     * warpgroups' dS^T must be in shared memory (named barrier kDsBar); D = 64: each
      * warpgroup adds its own 64 keys' share of all 64 columns. dS^T is double-buffered: a
      * warpgroup rewrites buffer it & 1 only after passing the barrier of item it - 1, which the
      * other reaches after its dQ MMA of item it - 2 is done. The staging tile of the bulk reduction
