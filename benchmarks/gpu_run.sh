@@ -10,10 +10,10 @@
 #   OUT=/tmp/out NCP_COMMIT=<sha> bash benchmarks/gpu_run.sh [stage ...]
 # Set NCP_COMMIT from the machine that holds the repository: the device tool's copy of .git can be
 # stale, so `git rev-parse` run there may name an older commit than the tree it copied.
-# stages: build baseline test sanitize probe profile srcprof kernels attn ab abmimo abhint order host mimo profmimo flint demo all (default: all; order:
+# stages: build baseline test sanitize probe profile srcprof kernels attn ab abmimo abhint order latency host mimo profmimo flint demo all (default: all; order:
 # bench_bwd_order.py, atomic and deterministic, ORDER_ARGS; probe: the
 # racecheck mbarrier probe, profile: Nsight Compute on named kernels, PROF_RUNS, PROF_ENV; profmimo:
-# benchmarks/profile_mimo.py; abmimo: benchmarks/ab_mimo.py (.baseline against this tree); abhint:
+# benchmarks/profile_mimo.py; latency: benchmarks/probe_latency.py, LATENCY_ARGS; abmimo: benchmarks/ab_mimo.py (.baseline against this tree); abhint:
 # benchmarks/ab_table_hint.py;
 # neither is part of all; baseline builds the tree in .baseline/ (carry it: an older commit's source,
 # e.g. `git archive c355efb csrc nemo_cp_native setup.py pyproject.toml | tar -x -C .baseline`) beside
@@ -156,6 +156,11 @@ if [[ " $STAGES " == *" order "* ]]; then  # only when named: the backward's til
   note "bench_bwd_order exit $?"
   $PY benchmarks/bench_bwd_order.py --det ${ORDER_ARGS:-} --json "$OUT/bench_order_det.json" >> "$SUM" 2>&1
   note "bench_bwd_order --det exit $?"
+fi
+
+if [[ " $STAGES " == *" latency "* ]]; then  # only when named: the do_bench forward's host latency (probe_latency.py)
+  timeout ${AB_TIMEOUT:-500} $PY benchmarks/probe_latency.py ${LATENCY_ARGS:-} --json "$OUT/probe_latency.json" >> "$SUM" 2>&1
+  note "probe_latency exit $?"
 fi
 
 if want host; then

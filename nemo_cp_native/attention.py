@@ -25,10 +25,12 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+from torch.utils.dlpack import to_dlpack
 
 from ._ops import _C, capsules, dl, dl_named, stream_of
 
-__all__ = ["AttnMask", "SinkAttnFunc", "attn_backward", "attn_forward", "backward_is_deterministic", "sink_attention"]
+__all__ = ["AttnMask", "SinkAttnFunc", "attn_backward", "attn_forward", "backward_is_deterministic", "sink_attention",
+           "sink_attn_autograd"]
 
 
 @dataclass(frozen=True)
@@ -68,13 +70,26 @@ def backward_is_deterministic() -> bool:
 # ------------------------------------------------------------------------------------------
 
 
+_F32 = torch.float32
+
+
 def _fwd(q: Tensor, k: Tensor, v: Tensor, sink: Optional[Tensor], scale: float, mask: AttnMask) -> tuple[Tensor, Tensor]:
     out = torch.empty_like(q)
-    lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
+    lse = q.new_empty((q.shape[1], q.shape[0]), dtype=_F32)
     if q.shape[0] == 0:  # no query rows: nothing to compute (empty tensors carry NULL data pointers)
         return out, lse
+    stream = stream_of(q.device)
+    try:  # capsules made inline (the dict of ``capsules`` costs host time before the launch)
+        if mask.cu_seqlens is not None:
+            _C.sink_attn_fwd(q=to_dlpack(q), k=to_dlpack(k), v=to_dlpack(v), sink=None if sink is None else to_dlpack(sink),
+                             out=to_dlpack(out), lse=to_dlpack(lse), scale=scale, stream=stream,
+                             cu_seqlens=to_dlpack(mask.cu_seqlens), window=mask.window)  # fmt: skip
+            return out, lse
+    except BufferError:  # which argument DLPack refused (meta tensors), with its name
+        capsules({"q": q, "k": k, "v": v, "sink": sink, "out": out, "lse": lse, "cu_seqlens": mask.cu_seqlens})
+        raise
     caps = capsules({"q": q, "k": k, "v": v, "sink": sink, "out": out, "lse": lse})
-    _C.sink_attn_fwd(**caps, scale=scale, stream=stream_of(q.device), **mask.kwargs())
+    _C.sink_attn_fwd(**caps, scale=scale, stream=stream, **mask.kwargs())
     return out, lse
 
 
@@ -149,11 +164,15 @@ def attn_backward(dout, q, k, v, sink, out, lse, mask: AttnMask, scale: float):
 
 
 class SinkAttnFunc(torch.autograd.Function):
-    """Autograd over the native forward/backward ops; the mask rides on ctx."""
+    """Autograd over the native forward/backward ops; the mask rides on ctx.
+
+    ``launched``: the ``(out, lse)`` of a forward the caller already launched on these inputs
+    (``sink_attn_autograd``), so the node's bookkeeping runs while the kernel does; None: the
+    forward runs here."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sink, mask: AttnMask, scale: float):
-        out, lse = attn_forward(q, k, v, sink, mask, scale)
+    def forward(ctx, q, k, v, sink, mask: AttnMask, scale: float, launched: Optional[tuple] = None):
+        out, lse = attn_forward(q, k, v, sink, mask, scale) if launched is None else launched
         ctx.save_for_backward(q, k, v, out, lse, sink)
         ctx.mask, ctx.scale = mask, scale
         ctx.mark_non_differentiable(lse)
@@ -163,10 +182,20 @@ class SinkAttnFunc(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         if dout is None:  # only lse was used: nothing flows back
-            return None, None, None, None, None, None
+            return None, None, None, None, None, None, None
         q, k, v, out, lse, sink = ctx.saved_tensors
         dq, dk, dv, dsink = attn_backward(dout, q, k, v, sink, out, lse, ctx.mask, ctx.scale)
-        return dq, dk, dv, dsink, None, None
+        return dq, dk, dv, dsink, None, None, None
+
+
+def sink_attn_autograd(q, k, v, sink, mask: AttnMask, scale: float) -> tuple[Tensor, Tensor]:
+    """``SinkAttnFunc.apply`` with the kernel launched first: in eager mode the native forward is
+    called before the autograd node is built (a Python ``Function.apply`` costs tens of
+    microseconds of host time before its ``forward`` runs), so on an idle GPU the kernel starts
+    that much sooner and the node's bookkeeping overlaps it. Same outputs, same graph."""
+    if torch.compiler.is_compiling():
+        return SinkAttnFunc.apply(q, k, v, sink, mask, scale)
+    return SinkAttnFunc.apply(q, k, v, sink, mask, scale, _fwd(q, k, v, sink, scale, mask))
 
 
 # ------------------------------------------------------------------------------------------
@@ -247,7 +276,7 @@ def sink_attention(
     mask = AttnMask(cu_seqlens=cu_seqlens, window=window)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                     or (sink is not None and sink.requires_grad)):  # fmt: skip
-        out, lse = SinkAttnFunc.apply(q, k, v, sink, mask, scale)
+        out, lse = sink_attn_autograd(q, k, v, sink, mask, scale)
     else:  # nothing to differentiate: no autograd node (its Python machinery is most of the host cost)
         out, lse = attn_forward(q, k, v, sink, mask, scale)
     return (out, lse) if return_lse else out

@@ -793,3 +793,42 @@ def test_autograd_node_only_when_something_requires_grad(ncp_seed):
         with torch.no_grad():
             assert ncp.sink_attention(*(leaf if n == name else c[n] for n in ("q", "k", "v", "sink")), c["cu_seqlens"],
                                       window=7).grad_fn is None  # fmt: skip
+
+
+def test_kernel_launched_before_the_autograd_node(monkeypatch, ncp_seed):
+    """``sink_attention`` with grad calls the native forward before ``SinkAttnFunc.forward`` runs
+    (the node's bookkeeping overlaps the kernel), once, and gives the values and gradients of the
+    node that computes inside its forward (``SinkAttnFunc.apply`` without ``launched``), bit for bit."""
+    from nemo_cp_native import attention
+
+    g = torch.Generator().manual_seed(ncp_seed)
+    c = make_attention_case([37, 90], 4, 2, 16, dtype=torch.float32, generator=g)
+    events = []
+    real_fwd, real_forward = attention._fwd, SinkAttnFunc.forward
+
+    def fwd(*a):
+        events.append("native")
+        return real_fwd(*a)
+
+    def forward(ctx, *a):
+        events.append("node")
+        return real_forward(ctx, *a)
+
+    monkeypatch.setattr(attention, "_fwd", fwd)
+    monkeypatch.setattr(SinkAttnFunc, "forward", staticmethod(forward))
+    dout = torch.randn(c["q"].shape, generator=g)
+    grads = []
+    for launched_first in (True, False):
+        events.clear()
+        leaves = [c[n].clone().requires_grad_(True) for n in ("q", "k", "v", "sink")]
+        if launched_first:
+            out, lse = ncp.sink_attention(*leaves, c["cu_seqlens"], window=7, return_lse=True)
+            assert events == ["native", "node"]
+        else:
+            out, lse = SinkAttnFunc.apply(*leaves, AttnMask(cu_seqlens=c["cu_seqlens"], window=7), 16**-0.5)
+            assert events == ["node", "native"]
+        assert out.grad_fn is not None and not lse.requires_grad  # lse: marked non-differentiable
+        out.backward(dout)
+        grads.append([out.detach(), lse.detach()] + [t.grad for t in leaves])
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
