@@ -66,3 +66,28 @@ def test_time_gpu_resets_the_gradients_each_repetition(clock):
 
     bl.time_gpu(fn, reps=3, warmup=1, loop=True, grad_to_none=[leaf])
     assert seen == [True, True, True, True]
+
+
+def test_round_order_varies_each_rows_predecessor():
+    """bench_sink_attention's rounds: every round is a permutation of the rows, the same for the
+    same round index, and over the rounds of a run each row follows more than one other row (a
+    fixed cyclic order gives it one predecessor for ever)."""
+    import importlib.util
+    import os
+    import sys
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "bench_sink_attention.py")
+    spec = importlib.util.spec_from_file_location("bench_sink_attention_t", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        del sys.modules[spec.name]
+    rows = ["ncp", "ncp-nosink", "ncp-deterministic", "flex+sink", "sdpa"]
+    orders = [mod.round_order(rows, r) for r in range(22)]
+    assert all(sorted(o) == sorted(rows) for o in orders)
+    assert orders[3] == mod.round_order(rows, 3) and len({tuple(o) for o in orders}) > 10
+    for row in rows:
+        before = {o[o.index(row) - 1] for o in orders if o.index(row) > 0}
+        assert len(before) >= 3, (row, before)
