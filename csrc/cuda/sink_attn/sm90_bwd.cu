@@ -154,14 +154,13 @@ ncp_status launch(const ncp_sink_attn_bwd_params &b, const bwd_workspace &ws, co
     const int64_t n = (int64_t)p.Hq * p.Tq * (D / 8);
     if (n == 0) return NCP_OK;
     const unsigned blocks = (unsigned)((n + 255) / 256);
-    T *dq = reinterpret_cast<T *>(b.dq);
-    if (fix) {
-        dq_convert_fixed_kernel<T, D><<<blocks, 256, 0, s>>>(ws.fix, dq, b.dq_st, b.dq_sh, p.Tq, p.Hq, (float)p.scale);
-        NCP_CUDA_CHECK(cudaGetLastError());
-    } else {
-        dq_convert_kernel<T, D><<<blocks, 256, 0, s>>>(ws.dq_accum, dq, b.dq_st, b.dq_sh, p.Tq, p.Hq, (float)p.scale);
-        NCP_CUDA_CHECK(cudaGetLastError());
-    }
+    if (fix)
+        dq_convert_fixed_kernel<T, D><<<blocks, 256, 0, s>>>(ws.fix, reinterpret_cast<T *>(b.dq), b.dq_st, b.dq_sh, p.Tq,
+                                                             p.Hq, (float)p.scale);
+    else
+        dq_convert_kernel<T, D><<<blocks, 256, 0, s>>>(ws.dq_accum, reinterpret_cast<T *>(b.dq), b.dq_st, b.dq_sh, p.Tq,
+                                                       p.Hq, (float)p.scale);
+    NCP_CUDA_CHECK(cudaGetLastError());
     return NCP_OK;
 }
 
