@@ -52,11 +52,10 @@ struct tile_order {
  * (one item's 64 x 64 tile of sum_j dS_ij k_j, before the softmax scale) is multiplied by 2^E and
  * rounded to an integer. E comes from a bound on every partial, taken over the finite values by
  * the pre-pass: |partial| <= (D max|dO| max|v| + max|Delta_i|) max|k| (P >= 0 sums to at most 1
- * over a row, with the forward's lse), mapped below 2^(61 - L), where 2^L >= the partials a dq
- * element can take (one per 64 keys at most). A partial above 2^(62 - L) (an lse that is not the
- * forward's) or not finite (inf or NaN in the inputs the row sees) marks its row, and the
- * conversion writes NaN there; the others sum to less than 2^62, so no unmarked sum leaves int64
- * whatever the inputs. With L <= 25, values down to 2^-12 of the bound keep 24 bits. */
+ * over a row, with the forward's lse), mapped below 2^(61 - L), where 2^L >= the key tiles a row
+ * can see (one partial each), so no sum of partials leaves int64 whatever the inputs. A partial
+ * above 2^(62 - L) (an lse that is not the forward's) or not finite (inf or NaN in the inputs the
+ * row sees) marks its row, and the conversion writes NaN there. */
 struct fixed_dq {
     unsigned long long *acc; /* (Hq, ceil(Tq / 64), D / 64, 64 x 64) int64 (two's complement), or NULL */
     float *part;             /* (Hq + 1, n_part, 2) maxima per pre-pass block: |dO|, |Delta_i|; row Hq: |k|, |v| */

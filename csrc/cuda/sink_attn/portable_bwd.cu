@@ -197,10 +197,9 @@ __device__ __forceinline__ void fixed_scale(const ncp_sink_attn_params &p, const
     if (threadIdx.x != 0) return;
     for (int k = 0; k < 4; ++k)
         for (int w = 1; w < kOrderThreads / 32; ++w) m[k] = fin_max(m[k], s_m[k][w]);
-    /* 2^L >= the partials a dq element can take: one per 64 keys at most (one per CTA of 128 keys
-     * with D = 128, one per warpgroup of 64 keys with D = 64), so sums of partials below
+    /* 2^L >= the key tiles a row can see: one partial per tile, so sums of partials below
      * 2^(62 - L) stay below 2^62 */
-    const int64_t n_kt = ((int64_t)p.Tk + 63) / 64;
+    const int64_t n_kt = ((int64_t)p.Tk + kBwdKvTile - 1) / kBwdKvTile;
     int L = 0;
     while (((int64_t)1 << L) < n_kt) ++L;
     /* |dP_ij| <= D max|dO| max|v|, P >= 0 sums to at most 1 over a row: |sum_j dS_ij k_j| <= this */
