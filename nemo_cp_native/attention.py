@@ -59,10 +59,9 @@ class AttnMask:
 
 def backward_is_deterministic() -> bool:
     """Whether the next backward must be bitwise repeatable: ``torch.use_deterministic_algorithms(True)``
-    or ``NCP_DETERMINISTIC=1``, where the Hopper backward adds dq in 64-bit fixed point (integer
-    sums do not depend on their order; twice the atomic mode's workspace for dq). Otherwise it adds
-    dq with fp32 atomic reductions, so the last bits of dq may differ between runs; dk, dv and
-    dsink are repeatable either way, and every other path is deterministic."""
+    or ``NCP_DETERMINISTIC=1``. Otherwise the Hopper backward accumulates dq with atomic
+    reductions (5 MMAs per tile instead of 7), so the last bits of dq may differ between runs; dk,
+    dv and dsink are repeatable either way, and every other path is deterministic."""
     return torch.are_deterministic_algorithms_enabled() or os.environ.get("NCP_DETERMINISTIC", "") == "1"
 
 
@@ -260,8 +259,8 @@ def sink_attention(
     Returns:
         ``out`` ``[T, Hq, D]`` in q's dtype, or ``(out, lse)``. Gradients flow to q, k, v and
         sink (fp32). The backward is bitwise repeatable except dq on the Hopper kernels, which
-        accumulate it with fp32 atomics unless ``torch.use_deterministic_algorithms(True)`` or
-        ``NCP_DETERMINISTIC=1`` (then in fixed point; see ``backward_is_deterministic``).
+        accumulate it with atomics unless ``torch.use_deterministic_algorithms(True)`` or
+        ``NCP_DETERMINISTIC=1`` (see ``backward_is_deterministic``).
     """
     _check_types(q, k, v, sink, cu_seqlens, window, scale)
     if validate:
