@@ -7,9 +7,9 @@
  *   forward   Hopper (sm90_fwd.cu) on compute capability 9.0 with an sm_90a build, else the
  *             portable mma.sync kernel (portable_fwd.cu)
  *   backward  pre-pass (Delta, dsink; on Hopper the grids' longest-first tile orders) always;
- *             then on Hopper the dK/dV kernel with dQ added into a workspace by fp32 atomic
- *             reductions (default) or in 64-bit fixed point (deterministic; launch.h
- *             fixed_dq); elsewhere the portable (deterministic) kernels
+ *             then on Hopper the dK/dV kernel with dQ added atomically into an fp32 workspace
+ *             (default) or the deterministic dK/dV + dQ pair; elsewhere the portable
+ *             (deterministic) kernels
  * The test hooks (ncp_attn_debug: portable kernels, persistent grid size, whole tiles, backward
  * orders) are one struct set from Python and read once per call; no environment variable is read
  * here.
@@ -40,7 +40,7 @@ int sm_count(int dev) {
 struct choice {
     attn_config cfg;
     bool sm90;      /* Hopper kernels */
-    bool atomic_dq; /* backward: dQ by fp32 atomic reductions (Hopper, not deterministic) */
+    bool atomic_dq; /* backward: dQ by atomic reductions (Hopper, not deterministic) */
     bool fixed_dq;  /* backward: dQ by fixed-point reductions (Hopper, deterministic; launch.h fixed_dq) */
 };
 
@@ -62,21 +62,23 @@ ncp_status choose(int deterministic, choice *c) {
 int32_t tiles_of(int32_t rows, int tile) { return rows <= 0 ? 0 : (int32_t)(((int64_t)rows + tile - 1) / tile); }
 
 /* Byte offsets of the backward workspace's parts (each 256-byte aligned) and its total: Delta,
- * dsink partials, the Hopper grid's tile work and order, the dQ accumulator (fp32 atomic or fixed
- * point), and the fixed-point bound's maxima, scale word and row marks. */
+ * dsink partials, the Hopper grids' tile work and orders (dK/dV always, dQ when deterministic),
+ * the atomic-dQ accumulator. */
 struct ws_layout {
-    int64_t delta, part, kv, acc, fix_part, fix_word, fix_bad, total;
-    int32_t n_part, n_kv;
+    int64_t delta, part, kv, q, acc, fix_part, fix_word, fix_bad, total;
+    int32_t n_part, n_kv, n_q;
 };
 ws_layout layout_of(int32_t Tq, int32_t Tk, int32_t Hq, int32_t D, bool has_sink, const choice &c) {
     auto up = [](int64_t x) { return (x + 255) / 256 * 256; };
     ws_layout w;
     w.n_part = Tq <= 0 ? 1 : (int32_t)(((int64_t)Tq + kPreRows - 1) / kPreRows);
     w.n_kv = c.sm90 ? tiles_of(Tk, kBwdKvTile) : 0;
+    w.n_q = c.sm90 && !c.atomic_dq && !c.fixed_dq ? tiles_of(Tq, kBwdQTile) : 0;
     w.delta = 0;
     w.part = up((int64_t)Hq * Tq * 4);
     w.kv = w.part + (has_sink ? up((int64_t)Hq * w.n_part * 4) : 0);
-    w.acc = w.kv + up((int64_t)w.n_kv * 8);
+    w.q = w.kv + up((int64_t)w.n_kv * 8);
+    w.acc = w.q + up((int64_t)w.n_q * 8);
     const int64_t elems = (int64_t)Hq * ((Tq + 63) / 64) * 64 * D;
     w.fix_part = w.acc + up(c.atomic_dq ? elems * 4 : c.fixed_dq ? elems * 8 : 0);
     w.fix_word = w.fix_part + (c.fixed_dq ? up(((int64_t)Hq + 1) * w.n_part * 8) : 0);
@@ -164,6 +166,7 @@ extern "C" ncp_status ncp_sink_attn_bwd_cuda(const ncp_sink_attn_bwd_params *b, 
     ws.fix.word = c.fixed_dq ? reinterpret_cast<int32_t *>(base + w.fix_word) : nullptr;
     ws.fix.row_bad = c.fixed_dq ? reinterpret_cast<int32_t *>(base + w.fix_bad) : nullptr;
     ws.kv = ncp::carve_order(base, w.kv, w.n_kv, p.Hkv, c.cfg);
+    ws.q = ncp::carve_order(base, w.q, w.n_q, p.Hq, c.cfg);
     cudaStream_t s = (cudaStream_t)stream;
     NCP_TRY(ncp::attn_bwd_prepass(*b, ws, s));
     return c.sm90 ? ncp::attn_bwd_sm90(*b, ws, c.cfg, s) : ncp::attn_bwd_portable(*b, ws, s);

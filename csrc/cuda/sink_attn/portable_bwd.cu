@@ -9,11 +9,9 @@
  *     dsink_h = -sum_i exp(sink_h - lse_i) D_i                 (the sink has a zero value vector)
  * Kernels, all deterministic (no atomics, fixed reduction orders):
  *   bwd_pre_kernel    D_i for every (row, head) and per-block dsink partial sums (the Delta pre-pass);
- *                     on Hopper also the work of every tile of the backward grid (launch.h), the
- *                     zeros of the dQ accumulator and, deterministic, the maxima of the fixed-point
- *                     bound (launch.h fixed_dq)
- *   bwd_order_kernel  dsink_h = ordered sum of the partials; the grid's longest-first tile order;
- *                     the fixed-point scale
+ *                     on Hopper also the work of every tile of the backward grids (launch.h) and
+ *                     the zeros of the atomic-dQ accumulator
+ *   bwd_order_kernel  dsink_h = ordered sum of the partials; the grids' longest-first tile orders
  *   bwd_dkdv_kernel   one CTA per (kv tile of 64 keys, kv head): loops over the G query heads of
  *                     the group and every q tile that sees the keys; computes S^T = K Q^T so that
  *                     P^T and dS^T are born in registers as A fragments of dV += P^T dO and
@@ -43,8 +41,8 @@ static_assert(QB == 16 * kWarps && KB == 16 * kWarps, "one m16 tile per warp");
 
 constexpr int kPreThreads = 256;
 
-/* Work of every tile of the Hopper backward grid (ws.kv; launch.h), blocks x of the extra row
- * y = Hq of the pre-pass grid, grid-stride over the tiles. */
+/* Work of every tile of the Hopper backward grids (ws.kv, ws.q; launch.h), blocks x of the extra
+ * row y = Hq of the pre-pass grid, grid-stride over the tiles. */
 template <class Mask> __device__ __forceinline__ void tile_work(const ncp_sink_attn_params &p, const bwd_workspace &ws) {
     const Mask mask(p);
     const int stride = gridDim.x * kPreThreads;
@@ -53,6 +51,10 @@ template <class Mask> __device__ __forceinline__ void tile_work(const ncp_sink_a
         const int k1 = (int)min((int64_t)(t + 1) * kBwdKvTile, (int64_t)p.Tk) - 1; /* no int overflow near 2^31 */
         q_tiles_seeing(mask, t * kBwdKvTile, k1, kBwdKvStep, t0, n);
         ws.kv.work[t] = n;
+    }
+    for (int t = blockIdx.x * kPreThreads + threadIdx.x; t < ws.q.n; t += stride) {
+        const q_tile_range r = q_range(mask, t * kBwdQTile, kBwdQTile, kBwdQStep);
+        ws.q.work[t] = max(0, r.kt_hi - r.kt_lo + 1);
     }
 }
 
@@ -218,11 +220,12 @@ __device__ __forceinline__ void fixed_scale(const ncp_sink_attn_params &p, const
     ws.fix.word[1] = L;
 }
 
-/* Row y = 0: dsink_h = the ordered sum of the partials (block x = 0); row 1: the dK/dV grid's
- * longest-first order; row 2: the fixed-point dQ scale (block x = 0). */
+/* Row y = 0: dsink_h = the ordered sum of the partials (block x = 0); rows 1, 2: the dK/dV and dQ
+ * grids' longest-first orders; row 3: the fixed-point dQ scale (block x = 0). */
 __global__ void __launch_bounds__(kOrderThreads) bwd_order_kernel(const ncp_sink_attn_bwd_params b, const bwd_workspace ws) {
     if (blockIdx.y == 1) return rank_tiles(ws.kv);
-    if (blockIdx.y == 2) {
+    if (blockIdx.y == 2) return rank_tiles(ws.q);
+    if (blockIdx.y == 3) {
         if (blockIdx.x == 0 && ws.fix.word != nullptr) fixed_scale(b.f, ws);
         return;
     }
@@ -539,18 +542,17 @@ __global__ void __launch_bounds__(kThreads, 2) bwd_dq_kernel(const ncp_sink_attn
 /* launchers                                                                                 */
 /* ======================================================================================== */
 
-/* The pre-pass (plus one row of blocks for the tile work when the grid is ordered and for the
- * maxima of k and v in fixed-point mode), then the order kernel when there is a dsink to sum, an
- * order to rank or a fixed-point scale to take. */
+/* The pre-pass (plus one row of blocks for the tile work when the grids are ordered), then the
+ * order kernel when there is a dsink to sum or an order to rank. */
 template <typename T, int D, class Mask>
 ncp_status launch_prepass(const ncp_sink_attn_bwd_params &b, const bwd_workspace &ws, cudaStream_t s) {
     const ncp_sink_attn_params &p = b.f;
-    const bool ordered = ws.kv.n > 0, fix = ws.fix.word != nullptr;
+    const bool ordered = ws.kv.n > 0 || ws.q.n > 0, fix = ws.fix.word != nullptr;
     bwd_pre_kernel<T, D, Mask><<<dim3(ws.n_part, p.Hq + (ordered || fix ? 1 : 0)), kPreThreads, 0, s>>>(b, ws);
     NCP_CUDA_CHECK(cudaGetLastError());
     if (p.sink != nullptr || ordered || fix) {
-        const int nb = (max(1, ws.kv.n) + kOrderThreads - 1) / kOrderThreads;
-        bwd_order_kernel<<<dim3(nb, fix ? 3 : 2), kOrderThreads, 0, s>>>(b, ws);
+        const int nb = (max(1, max(ws.kv.n, ws.q.n)) + kOrderThreads - 1) / kOrderThreads;
+        bwd_order_kernel<<<dim3(nb, fix ? 4 : 3), kOrderThreads, 0, s>>>(b, ws);
         NCP_CUDA_CHECK(cudaGetLastError());
     }
     return NCP_OK;

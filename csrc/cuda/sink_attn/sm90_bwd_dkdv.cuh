@@ -6,12 +6,12 @@
  * warpgroup: S^T = K Q^T and dP^T = V dO^T (A and B from shared memory), P^T and dS^T in registers
  * (the mask is a separate pass on partial items: folded into the exponentials it cost enough
  * registers for ptxas to serialize every wgmma), then dV += P^T dO (A from registers) and
- * dK += dS^T Q; dS^T also goes to shared memory, where dK += dS^T Q and dQ = dS K read it (5 MMAs
- * per item), and each warpgroup adds its 64 x 64 dQ tile into the workspace. Two modes (FIX):
- *   default: one bulk asynchronous fp32 reduction per tile (the order of the additions, so the last
- *     bits of dq, vary from run to run);
- *   deterministic: each thread adds its partials in 64-bit fixed point (launch.h fixed_dq; integer
- *     sums do not depend on their order).
+ * dK += dS^T Q. Two modes:
+ *   ADQ (default, not deterministic): dS^T also goes to shared memory; dK += dS^T Q and dQ = dS K
+ *     read it from there, and each warpgroup adds its 64 x 64 dQ tile into the fp32 workspace with
+ *     one bulk asynchronous reduction (5 MMAs per item; the order of the additions, so the last
+ *     bits of dq, vary from run to run).
+ *   deterministic: no atomics; dQ comes from the dQ kernel (7 MMAs per item in all).
  * Skipping (SKIP, chosen per launch: documents with a window; docs/EXPERIMENTS.md): a warpgroup none
  * of whose 64 keys a row of the item sees (KeyVis::flags) skips the item. Under a window the first
  * q tile that sees the CTA's keys sees only their low half and the last one only the high half
@@ -31,8 +31,8 @@ namespace bwd90 {
 
 #ifdef NCP_SM90_DEVICE
 /* Mask-agnostic: the mask reaches the consumers only as the producer's key bounds (KeyVis). */
-template <typename T, int D> struct DkdvConsumer {
-    using L = Layout<D, KVB, KQB>;
+template <typename T, int D, bool ADQ> struct DkdvConsumer {
+    using L = Layout<D, KVB, KQB, ADQ>;
     const ncp_sink_attn_params &p;
     const KvItems &w;
     const Bars bar;
@@ -111,6 +111,12 @@ template <typename T, int D> struct DkdvConsumer {
         }
     }
     __device__ __forceinline__ void release(int it) const { sm90::warp_arrive(bar.e(Ring::slot(it))); }
+    static __device__ __forceinline__ void fence_frags(uint32_t (*pf)[4], uint32_t (*df)[4]) {
+#pragma unroll
+        for (int kk = 0; kk < KQB / 16; ++kk)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(pf[kk][e]), "+r"(df[kk][e])::"memory");
+    }
     static __device__ __forceinline__ void fence_frags(uint32_t (*pf)[4]) {
 #pragma unroll
         for (int kk = 0; kk < KQB / 16; ++kk)
@@ -132,6 +138,37 @@ template <typename T, int D> struct DkdvConsumer {
         sm90::fence_regs(st, KQB / 2);
         sm90::fence_regs(dpt, KQB / 2);
         return SKIP ? f : full_flags(it);
+    }
+
+    /* Deterministic mode: dV += P^T dO and dK += dS^T Q from registers. */
+    template <bool SKIP> __device__ __forceinline__ void run_det() {
+        uint32_t f = SKIP ? wait_item(0) : 1u;
+        for (int it = 0; it < w.n_it; ++it) {
+            if (SKIP && !(f & 1u)) { /* none of this warpgroup's keys is seen: nothing to add */
+                release(it);
+                f = wait_item(it + 1);
+                continue;
+            }
+            float st[KQB / 2], dpt[KQB / 2];
+            uint32_t pf[KQB / 16][4], df[KQB / 16][4];
+            f = sdp<SKIP>(st, dpt, it, f);
+            probs_cols(st, dpt, it, (f >> 1) & 1u, 0, KQB / 8);
+            to_frags<T, KQB>(pf, st);
+            to_frags<T, KQB>(df, dpt);
+            const int s = Ring::slot(it);
+            sm90::fence_regs(dv, D / 2);
+            sm90::fence_regs(dk, D / 2);
+            sm90::wg_fence();
+            sm90::rs_steps<T, D, KQB>(dv, pf, sO(s), KQB * 128);
+            sm90::rs_steps<T, D, KQB>(dk, df, sQ(s), KQB * 128);
+            sm90::wg_commit();
+            if (SKIP) f = wait_item(it + 1);
+            sm90::wg_wait<0>();
+            sm90::fence_regs(dv, D / 2);
+            sm90::fence_regs(dk, D / 2);
+            fence_frags(pf, df);
+            release(it);
+        }
     }
 
     /* P^T into fragments and dS^T (keys x queries, 128B-swizzled rows of 64 queries) into shared
@@ -173,15 +210,15 @@ template <typename T, int D> struct DkdvConsumer {
         for (int ks = 0; ks < NK / 16; ++ks) /* k-step ks: + 16 rows of 128 bytes in both */
             sm90::wgmma<T, 64>::template ss<1, 1>(dq, sm90::desc_of(la + ks * 128), sm90::desc_of(lb + ks * 128), ks > 0);
     }
-    /* D = 128: warpgroup cw computes dQ columns [64 cw, 64 cw + 64) over all 128
+    /* Atomic-dQ mode. D = 128: warpgroup cw computes dQ columns [64 cw, 64 cw + 64) over all 128
      * keys (over the 64 seen ones when an item sees no key of one warpgroup: flags bit 2), so both
      * warpgroups' dS^T must be in shared memory (named barrier kDsBar); D = 64: each
      * warpgroup adds its own 64 keys' share of all 64 columns. dS^T is double-buffered: a
      * warpgroup rewrites buffer it & 1 only after passing the barrier of item it - 1, which the
      * other reaches after its dQ MMA of item it - 2 is done. The staging tile of the bulk reduction
      * is rewritten only after its leader thread waited for the previous reduction's reads. dq_accum
-     * is (Hq, ceil(Tq / 64), D / 64, 4096) in fragment order (dq_frag_pos), as fix.acc. */
-    template <bool SKIP, bool FIX> __device__ __forceinline__ void run(const bwd_workspace &ws) {
+     * is (Hq, ceil(Tq / 64), D / 64, 4096) in fragment order (dq_frag_pos). */
+    template <bool SKIP, bool FIX> __device__ __forceinline__ void run_adq(const bwd_workspace &ws) {
         const int key0 = D == 128 ? 0 : 64 * cw, cb = D == 128 ? cw : 0;
         /* FIX: partials times 2^E, rounded to int64, each thread adding its own (launch.h fixed_dq) */
         int32_t fix_e = 0, fix_l = 0;

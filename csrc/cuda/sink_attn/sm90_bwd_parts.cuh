@@ -1,12 +1,13 @@
 /*
  * sink_attn/sm90_bwd_parts.cuh: the parts of the Hopper backward (sm90_bwd.cu): shared-memory
- * layout and barriers, the producer of the dK/dV kernel, the per-key visibility of its mask pass,
- * and the epilogue that stores a warpgroup's accumulator tile.
+ * layout and barriers, the producers of the dK/dV and dQ kernels, the per-key visibility of the
+ * dK/dV kernel's mask pass, and the epilogue that stores a warpgroup's accumulator tile.
  *
- * The kernel keeps K and V of 128 keys stationary in shared memory and streams Q and dO tiles of
- * 64 rows through a 3-stage ring: one producer thread issues TMA, and warp 1 of the producer
- * warpgroup writes lse * log2(e) and Delta of each streamed q tile into shared memory (the stage's
- * "a" barrier counts both arrivals).
+ * Both kernels keep two tiles stationary in shared memory (dK/dV: K and V of 128 keys; dQ: Q and
+ * dO of 128 rows) and stream tiles of 64 rows through a 3-stage ring (dK/dV: Q and dO; dQ: K and V):
+ * one producer thread issues TMA, and in the dK/dV kernel warp 1 of the producer warpgroup writes
+ * lse * log2(e) and Delta of each streamed q tile into shared memory (the stage's "a" barrier
+ * counts both arrivals).
  */
 #ifndef NCP_SINK_ATTN_SM90_BWD_PARTS_CUH
 #define NCP_SINK_ATTN_SM90_BWD_PARTS_CUH
@@ -26,15 +27,19 @@ static_assert(Split::kThreads == kThreads, "one producer and two consumer warpgr
 constexpr int kStages = 3;
 constexpr int KVB = 128;      /* dK/dV kernel: keys per CTA */
 constexpr int KQB = 64;       /* dK/dV kernel: q rows per streamed tile */
-constexpr int kDsBar = 3;     /* named barrier: both warpgroups' dS^T stored */
-static_assert(KVB == kBwdKvTile && KQB == kBwdKvStep, "the pre-pass measures the grid's tile work with the tiles of launch.h");
+constexpr int QQB = 128;      /* dQ kernel: q rows per CTA */
+constexpr int QKB = 64;       /* dQ kernel: keys per streamed tile */
+constexpr int kDsBar = 3;     /* named barrier: both warpgroups' dS^T stored (atomic-dQ kernel) */
+static_assert(KVB == kBwdKvTile && KQB == kBwdKvStep && QQB == kBwdQTile && QKB == kBwdQStep,
+              "the pre-pass measures the grids' tile work with the tiles of launch.h");
 using Ring = sm90::Ring<kStages>;
 
-/* Two stationary tiles of SR rows, kStages x two streamed tiles of TR rows, two dS^T tiles of
- * SR x TR and two 64 x 64 fp32 dQ staging tiles (the fp32 mode's bulk reductions), the mbarriers,
+/* Two stationary tiles of SR rows, kStages x two streamed tiles of TR rows, with DS (atomic-dQ
+ * dK/dV kernel) two dS^T tiles of SR x TR and two 64 x 64 fp32 dQ staging tiles, the mbarriers,
  * then kStages x TR floats of lse * log2(e) and of Delta for the streamed q tiles, and kStages x
- * TR packed key bounds (key_bounds). With D = 128 it fills the 227 KiB of an sm_90 block exactly. */
-template <int D, int SR, int TR> struct Layout {
+ * TR packed key bounds (key_bounds). The D = 128 atomic-dQ dK/dV layout fills the 227 KiB of an
+ * sm_90 block exactly. */
+template <int D, int SR, int TR, bool DS = false> struct Layout {
     static constexpr int stat_bytes = SR * D * 2;
     static constexpr int tile_bytes = TR * D * 2;
     static constexpr int s1_off = stat_bytes;
@@ -42,8 +47,8 @@ template <int D, int SR, int TR> struct Layout {
     static constexpr int b_off = a_off + kStages * tile_bytes;
     static constexpr int ds_bytes = SR * TR * 2; /* one dS^T tile: SR key rows x TR queries */
     static constexpr int ds_off = b_off + kStages * tile_bytes;
-    static constexpr int stage_off = ds_off + 2 * ds_bytes;
-    static constexpr int bar_off = stage_off + 2 * 64 * 64 * 4;
+    static constexpr int stage_off = ds_off + (DS ? 2 * ds_bytes : 0);
+    static constexpr int bar_off = stage_off + (DS ? 2 * 64 * 64 * 4 : 0);
     static constexpr int vec_off = bar_off + 128;
     static constexpr int kb_off = vec_off + 2 * kStages * TR * 4;
     static constexpr int bytes = kb_off + kStages * TR * 2 + 1024;
@@ -126,6 +131,24 @@ __device__ __forceinline__ void produce_dkdv(const KvItems &w, const Bars &bar, 
             }
             sm90::warp_arrive(bar.a(s));
         }
+    }
+}
+
+/* dQ producer (thread 0): Q and dO once, then K and V of every kv tile the rows see. */
+template <int D>
+__device__ __forceinline__ void produce_dq(const q_tile_range &rng, int n_it, const Bars &bar, uint32_t sQ, uint32_t sO,
+                                           uint32_t sK0, uint32_t sV0, int h, int g_kv, int q0, const CUtensorMap *tm_q,
+                                           const CUtensorMap *tm_do, const CUtensorMap *tm_k, const CUtensorMap *tm_v) {
+    using L = Layout<D, QQB, QKB>;
+    sm90::mbar_expect_tx(bar.stat(), 2 * L::stat_bytes);
+    sm90::tma_load_tile_pair<D>(sQ, tm_q, sO, tm_do, QQB, h, q0, bar.stat());
+    for (int it = 0; it < n_it; ++it) {
+        const int s = Ring::slot(it), kt = rng.kt_hi - it;
+        if (it >= kStages) sm90::mbar_wait(bar.e(s), Ring::empty_phase(it));
+        sm90::mbar_expect_tx(bar.a(s), L::tile_bytes);
+        sm90::tma_load_tile<D>(sK0 + s * L::tile_bytes, tm_k, QKB, g_kv, kt * QKB, bar.a(s));
+        sm90::mbar_expect_tx(bar.b(s), L::tile_bytes);
+        sm90::tma_load_tile<D>(sV0 + s * L::tile_bytes, tm_v, QKB, g_kv, kt * QKB, bar.b(s));
     }
 }
 
