@@ -284,65 +284,6 @@ def test_cuda_backward_is_deterministic(table, ncp_seed, kernel, monkeypatch):
         assert torch.equal(a, b)
 
 
-def _hopper_deterministic():
-    return testing.kernels(deterministic=True)[1] == "sm90-deterministic"
-
-
-@pytest.mark.parametrize("mag", [1e-35, 1e-12, 1.0, 1e30])
-def test_cuda_fixed_point_dq_keeps_its_bits_at_any_magnitude(mag, ncp_seed, monkeypatch):
-    """The deterministic Hopper backward adds dQ in 64-bit fixed point scaled from a bound on the
-    inputs (launch.h fixed_dq): at gradient magnitudes from 1e-35 to 1e30 its dq matches the
-    atomic fp32 dq within fp32 rounding, and dk, dv, dsink are the atomic mode's bits."""
-    if not _hopper_deterministic():
-        pytest.skip("needs the Hopper backward (sm_90a build, compute capability 9.0)")
-    g = torch.Generator().manual_seed(ncp_seed)
-    c = make_attention_case([1500, 900, 700], 8, 2, 128, device=DEV, generator=g)
-    q, k, v, s = c["q"], c["k"], c["v"], c["sink"]
-    mask = AttnMask(cu_seqlens=c["cu_seqlens"], window=0)
-    dout = (torch.randn(q.shape, generator=g) * mag).to(DEV, torch.bfloat16)
-    assert torch.isfinite(dout).all() and (dout != 0).float().mean() > 0.99
-    out, lse = attn_forward(q, k, v, s, mask, 0.09)
-    got = {}
-    for det in ("1", "0"):
-        monkeypatch.setenv("NCP_DETERMINISTIC", det)
-        got[det] = attn_backward(dout, q, k, v, s, out, lse, mask, 0.09)
-    fixed, atomic = got["1"], got["0"]
-    for a, b in zip(fixed[1:], atomic[1:]):
-        assert torch.equal(a, b)
-    ref = atomic[0].float()
-    err = (fixed[0].float() - ref).abs().max().item()
-    assert err <= 2 ** -7 * ref.abs().max().item(), (mag, err, ref.abs().max().item())
-    assert torch.isfinite(fixed[0]).all()
-
-
-def test_cuda_fixed_point_dq_marks_rows_it_cannot_hold(ncp_seed, monkeypatch):
-    """A NaN query makes its row's dq NaN and leaves the other rows finite, as in the atomic mode;
-    an lse that is not the forward's (here 40 below it: every P 2^57 times too large) breaks the
-    bound of launch.h fixed_dq, and the rows whose partials leave it come out NaN, never as a
-    wrapped integer sum."""
-    if not _hopper_deterministic():
-        pytest.skip("needs the Hopper backward (sm_90a build, compute capability 9.0)")
-    monkeypatch.setenv("NCP_DETERMINISTIC", "1")
-    g = torch.Generator().manual_seed(ncp_seed)
-    c = make_attention_case([300, 200], 4, 2, 128, device=DEV, generator=g)
-    q, k, v, s = c["q"].clone(), c["k"], c["v"], c["sink"]
-    mask = AttnMask(cu_seqlens=c["cu_seqlens"])
-    dout = torch.randn(q.shape, generator=g).to(DEV, torch.bfloat16)
-    q[10, 1] = float("nan")
-    out, lse = attn_forward(q, k, v, s, mask, 0.09)
-    dq = attn_backward(dout, q, k, v, s, out, lse, mask, 0.09)[0]
-    assert dq[10, 1].isnan().all()
-    others = torch.ones(dq.shape[:2], dtype=torch.bool, device=DEV)
-    others[10, 1] = False
-    assert torch.isfinite(dq[others]).all()
-    q[10, 1] = 0.5
-    out, lse = attn_forward(q, k, v, s, mask, 0.09)
-    dq = attn_backward(dout, q, k, v, s, out, lse, mask, 0.09)[0]
-    assert torch.isfinite(dq).all()
-    dq_bad = attn_backward(dout, q, k, v, s, out, lse - 40.0, mask, 0.09)[0]
-    assert dq_bad.isnan().any() and not torch.isinf(dq_bad).any()
-
-
 @pytest.mark.parametrize("table", [False, True])
 def test_cuda_backward_tile_orders_change_no_bit(table, ncp_seed, monkeypatch):
     """The Hopper backward grids take their tiles longest first within chunks of waves (launch.h).

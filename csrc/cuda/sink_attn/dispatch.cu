@@ -41,7 +41,6 @@ struct choice {
     attn_config cfg;
     bool sm90;      /* Hopper kernels */
     bool atomic_dq; /* backward: dQ by atomic reductions (Hopper, not deterministic) */
-    bool fixed_dq;  /* backward: dQ by fixed-point reductions (Hopper, deterministic; launch.h fixed_dq) */
 };
 
 ncp_status choose(int deterministic, choice *c) {
@@ -55,7 +54,6 @@ ncp_status choose(int deterministic, choice *c) {
     c->cfg.order_waves = d.order_waves == 0 ? kOrderWaves : d.order_waves;
     c->sm90 = !d.portable && ncp_sm90_usable();
     c->atomic_dq = c->sm90 && !deterministic;
-    c->fixed_dq = c->sm90 && deterministic;
     return NCP_OK;
 }
 
@@ -65,7 +63,7 @@ int32_t tiles_of(int32_t rows, int tile) { return rows <= 0 ? 0 : (int32_t)(((in
  * dsink partials, the Hopper grids' tile work and orders (dK/dV always, dQ when deterministic),
  * the atomic-dQ accumulator. */
 struct ws_layout {
-    int64_t delta, part, kv, q, acc, fix_part, fix_word, fix_bad, total;
+    int64_t delta, part, kv, q, acc, total;
     int32_t n_part, n_kv, n_q;
 };
 ws_layout layout_of(int32_t Tq, int32_t Tk, int32_t Hq, int32_t D, bool has_sink, const choice &c) {
@@ -73,17 +71,13 @@ ws_layout layout_of(int32_t Tq, int32_t Tk, int32_t Hq, int32_t D, bool has_sink
     ws_layout w;
     w.n_part = Tq <= 0 ? 1 : (int32_t)(((int64_t)Tq + kPreRows - 1) / kPreRows);
     w.n_kv = c.sm90 ? tiles_of(Tk, kBwdKvTile) : 0;
-    w.n_q = c.sm90 && !c.atomic_dq && !c.fixed_dq ? tiles_of(Tq, kBwdQTile) : 0;
+    w.n_q = c.sm90 && !c.atomic_dq ? tiles_of(Tq, kBwdQTile) : 0;
     w.delta = 0;
     w.part = up((int64_t)Hq * Tq * 4);
     w.kv = w.part + (has_sink ? up((int64_t)Hq * w.n_part * 4) : 0);
     w.q = w.kv + up((int64_t)w.n_kv * 8);
     w.acc = w.q + up((int64_t)w.n_q * 8);
-    const int64_t elems = (int64_t)Hq * ((Tq + 63) / 64) * 64 * D;
-    w.fix_part = w.acc + up(c.atomic_dq ? elems * 4 : c.fixed_dq ? elems * 8 : 0);
-    w.fix_word = w.fix_part + (c.fixed_dq ? up(((int64_t)Hq + 1) * w.n_part * 8) : 0);
-    w.fix_bad = w.fix_word + (c.fixed_dq ? 256 : 0);
-    w.total = w.fix_bad + (c.fixed_dq ? (int64_t)Hq * Tq * 4 : 0);
+    w.total = w.acc + (c.atomic_dq ? (int64_t)Hq * ((Tq + 63) / 64) * 64 * D * 4 : 0);
     return w;
 }
 
@@ -161,10 +155,6 @@ extern "C" ncp_status ncp_sink_attn_bwd_cuda(const ncp_sink_attn_bwd_params *b, 
     ws.dsink_part = p.sink != nullptr ? reinterpret_cast<float *>(base + w.part) : nullptr;
     ws.n_part = w.n_part;
     ws.dq_accum = c.atomic_dq && p.Tq > 0 ? reinterpret_cast<float *>(base + w.acc) : nullptr;
-    ws.fix.acc = c.fixed_dq && p.Tq > 0 ? reinterpret_cast<unsigned long long *>(base + w.acc) : nullptr;
-    ws.fix.part = c.fixed_dq ? reinterpret_cast<float *>(base + w.fix_part) : nullptr;
-    ws.fix.word = c.fixed_dq ? reinterpret_cast<int32_t *>(base + w.fix_word) : nullptr;
-    ws.fix.row_bad = c.fixed_dq ? reinterpret_cast<int32_t *>(base + w.fix_bad) : nullptr;
     ws.kv = ncp::carve_order(base, w.kv, w.n_kv, p.Hkv, c.cfg);
     ws.q = ncp::carve_order(base, w.q, w.n_q, p.Hq, c.cfg);
     cudaStream_t s = (cudaStream_t)stream;

@@ -47,30 +47,12 @@ struct tile_order {
     int32_t chunk;  /* tiles per chunk (>= 1) */
 };
 
-/* The deterministic Hopper backward adds dQ in 64-bit fixed point: integer addition is
- * associative, so any order of the dK/dV CTAs' reductions gives the same bits. Every partial
- * (one item's 64 x 64 tile of sum_j dS_ij k_j, before the softmax scale) is multiplied by 2^E and
- * rounded to an integer. E comes from a bound on every partial, taken over the finite values by
- * the pre-pass: |partial| <= (D max|dO| max|v| + max|Delta_i|) max|k| (P >= 0 sums to at most 1
- * over a row, with the forward's lse), mapped below 2^(61 - L), where 2^L >= the key tiles a row
- * can see (one partial each), so no sum of partials leaves int64 whatever the inputs. A partial
- * above 2^(62 - L) (an lse that is not the forward's) or not finite (inf or NaN in the inputs the
- * row sees) marks its row, and the conversion writes NaN there. */
-struct fixed_dq {
-    unsigned long long *acc; /* (Hq, ceil(Tq / 64), D / 64, 64 x 64) int64 (two's complement), or NULL */
-    float *part;             /* (Hq + 1, n_part, 2) maxima per pre-pass block: |dO|, |Delta_i|; row Hq: |k|, |v| */
-    int32_t *word;           /* [0]: E (kFixNonFinite: a bound out of range, all NaN), [1]: L */
-    int32_t *row_bad;        /* (Hq, Tq) nonzero: a partial of the row broke the bound */
-};
-constexpr int32_t kFixNonFinite = -(1 << 30);
-
 /* The backward workspace, carved by the dispatcher out of the caller's buffer. */
 struct bwd_workspace {
     float *delta;      /* (Hq, Tq) rowsum(dO * O) */
     float *dsink_part; /* (Hq, n_part) dsink partial sums, or NULL without a sink */
     int32_t n_part;
     float *dq_accum;   /* atomic-dQ Hopper backward: (Hq, ceil(Tq / 64), D / 64, 64 x 64) fp32, else NULL */
-    fixed_dq fix;      /* deterministic Hopper backward: dQ in fixed point (dq_accum is NULL then) */
     tile_order kv;     /* Hopper dK/dV grid (key tiles) */
     tile_order q;      /* Hopper deterministic dQ grid (query tiles) */
 };

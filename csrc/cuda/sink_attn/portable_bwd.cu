@@ -58,76 +58,25 @@ template <class Mask> __device__ __forceinline__ void tile_work(const ncp_sink_a
     }
 }
 
-/* max(a, b) over finite b only: the fixed-point bound leaves out inf and NaN, whose rows' partials
- * are not finite and so marked (launch.h fixed_dq). */
-__device__ __forceinline__ float fin_max(float a, float b) { return (b > a && b < INFINITY) ? b : a; }
-
-/* The block's maxima (fin_max) of m0 and m1, written to out[0], out[1] by thread 0. */
-__device__ __forceinline__ void block_max2(float m0, float m1, float *out) {
-    __shared__ float s_m[2][kPreThreads / 32];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-        m0 = fin_max(m0, __shfl_xor_sync(0xffffffffu, m0, off));
-        m1 = fin_max(m1, __shfl_xor_sync(0xffffffffu, m1, off));
-    }
-    if (lane == 0) s_m[0][warp] = m0, s_m[1][warp] = m1;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        for (int w = 1; w < kPreThreads / 32; ++w) m0 = fin_max(m0, s_m[0][w]), m1 = fin_max(m1, s_m[1][w]);
-        out[0] = m0;
-        out[1] = m1;
-    }
-}
-
-/* Fixed-point dQ bound (launch.h fixed_dq), row Hq of the pre-pass grid: max |k| and max |v| over
- * the (key, kv head) rows, 8 elements a thread, grid-stride. */
-template <typename T, int D>
-__device__ __forceinline__ void kv_maxima(const ncp_sink_attn_params &p, const bwd_workspace &ws) {
-    constexpr int LPR = D / 8;
-    float mk = 0.f, mv = 0.f;
-    const int64_t n = (int64_t)p.Tk * p.Hkv * LPR;
-    for (int64_t i = (int64_t)blockIdx.x * kPreThreads + threadIdx.x; i < n; i += (int64_t)gridDim.x * kPreThreads) {
-        const int64_t r = i / LPR, j = r / p.Hkv, g = r % p.Hkv;
-        const int c = (int)(i % LPR);
-        const uint4 kk = *reinterpret_cast<const uint4 *>(reinterpret_cast<const T *>(p.k) + j * p.k_st + g * p.k_sh + c * 8);
-        const uint4 vv = *reinterpret_cast<const uint4 *>(reinterpret_cast<const T *>(p.v) + j * p.v_st + g * p.v_sh + c * 8);
-        const uint32_t kw[4] = {kk.x, kk.y, kk.z, kk.w}, vw[4] = {vv.x, vv.y, vv.z, vv.w};
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const float2 a = elem<T>::unpack(kw[e]), b = elem<T>::unpack(vw[e]);
-            mk = fin_max(fin_max(mk, fabsf(a.x)), fabsf(a.y));
-            mv = fin_max(fin_max(mv, fabsf(b.x)), fabsf(b.y));
-        }
-    }
-    block_max2(mk, mv, ws.fix.part + ((int64_t)p.Hq * ws.n_part + blockIdx.x) * 2);
-}
-
 template <typename T, int D, class Mask>
 __global__ void __launch_bounds__(kPreThreads) bwd_pre_kernel(const ncp_sink_attn_bwd_params b, const bwd_workspace ws) {
     constexpr int LPR = D / 8, RPW = 32 / LPR, kRows = kPreRows;
     const ncp_sink_attn_params &p = b.f;
-    const bool fix = ws.fix.word != nullptr;
     if (blockIdx.y == p.Hq) {
         tile_work<Mask>(p, ws);
-        if (fix) kv_maxima<T, D>(p, ws);
         return;
     }
     const int h = blockIdx.y, r0 = blockIdx.x * kRows, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int n_qt = (p.Tq + 63) / 64, t0 = blockIdx.x * (kRows / 64), nt = min(kRows / 64, n_qt - t0);
     if (ws.dq_accum != nullptr) { /* the atomic-dQ accumulator's 64-row tiles of these rows: zeroed here (no memset) */
+        const int n_qt = (p.Tq + 63) / 64, t0 = blockIdx.x * (kRows / 64), nt = min(kRows / 64, n_qt - t0);
         float4 *acc = reinterpret_cast<float4 *>(ws.dq_accum + ((int64_t)h * n_qt + t0) * 64 * D);
         for (int i = threadIdx.x; i < nt * 64 * D / 4; i += kPreThreads) acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-    }
-    if (ws.fix.acc != nullptr) { /* the same for the fixed-point accumulator (8 bytes an element) */
-        uint4 *acc = reinterpret_cast<uint4 *>(ws.fix.acc + ((int64_t)h * n_qt + t0) * 64 * D);
-        for (int i = threadIdx.x; i < nt * 64 * D / 2; i += kPreThreads) acc[i] = make_uint4(0u, 0u, 0u, 0u);
     }
     const bool has_sink = p.sink != nullptr;
     const float sink = has_sink ? __ldg(reinterpret_cast<const float *>(p.sink) + h) : 0.f;
     const T *oh = reinterpret_cast<const T *>(p.out) + (int64_t)h * p.o_sh;
     const T *dh = reinterpret_cast<const T *>(b.dout) + (int64_t)h * b.do_sh;
-    float part = 0.f, m_do = 0.f, m_dl = 0.f;
+    float part = 0.f;
     for (int row = warp * RPW + lane / LPR; row < kRows; row += (kPreThreads / 32) * RPW) {
         const int i = r0 + row, c = lane % LPR;
         float d = 0.f;
@@ -139,19 +88,15 @@ __global__ void __launch_bounds__(kPreThreads) bwd_pre_kernel(const ncp_sink_att
             for (int k = 0; k < 4; ++k) {
                 const float2 a = elem<T>::unpack(ov[k]), e = elem<T>::unpack(gv[k]);
                 d = fmaf(a.x, e.x, fmaf(a.y, e.y, d));
-                if (fix) m_do = fin_max(fin_max(m_do, fabsf(e.x)), fabsf(e.y));
             }
         }
 #pragma unroll
         for (int off = LPR / 2; off > 0; off >>= 1) d += __shfl_xor_sync(0xffffffffu, d, off);
-        if (fix) m_dl = fin_max(m_dl, fabsf(d));
         if (c == 0 && i < p.Tq) {
             ws.delta[(int64_t)h * p.Tq + i] = d;
-            if (fix) ws.fix.row_bad[(int64_t)h * p.Tq + i] = 0;
             if (has_sink) part -= expf(sink - p.lse[(int64_t)h * p.Tq + i]) * d;
         }
     }
-    if (fix) block_max2(m_do, m_dl, ws.fix.part + ((int64_t)h * ws.n_part + blockIdx.x) * 2);
     if (!has_sink) return;
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) part += __shfl_xor_sync(0xffffffffu, part, off);
@@ -178,57 +123,11 @@ __device__ __forceinline__ void rank_tiles(const tile_order &o) {
     o.order[pos] = t;
 }
 
-/* The fixed-point dQ scale (launch.h fixed_dq) from the pre-pass blocks' maxima: one block. */
-__device__ __forceinline__ void fixed_scale(const ncp_sink_attn_params &p, const bwd_workspace &ws) {
-    float m[4] = {0.f, 0.f, 0.f, 0.f}; /* max |dO|, |Delta_i|, |k|, |v| (finite values) */
-    const int64_t n_do = (int64_t)p.Hq * ws.n_part;
-    for (int64_t i = threadIdx.x; i < n_do + ws.n_part; i += kOrderThreads) {
-        const int o = i < n_do ? 0 : 2;
-        m[o] = fin_max(m[o], ws.fix.part[2 * i]);
-        m[o + 1] = fin_max(m[o + 1], ws.fix.part[2 * i + 1]);
-    }
-    __shared__ float s_m[4][kOrderThreads / 32];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) m[k] = fin_max(m[k], __shfl_xor_sync(0xffffffffu, m[k], off));
-        if (lane == 0) s_m[k][warp] = m[k];
-    }
-    __syncthreads();
-    if (threadIdx.x != 0) return;
-    for (int k = 0; k < 4; ++k)
-        for (int w = 1; w < kOrderThreads / 32; ++w) m[k] = fin_max(m[k], s_m[k][w]);
-    /* 2^L >= the key tiles a row can see: one partial per tile, so sums of partials below
-     * 2^(62 - L) stay below 2^62 */
-    const int64_t n_kt = ((int64_t)p.Tk + kBwdKvTile - 1) / kBwdKvTile;
-    int L = 0;
-    while (((int64_t)1 << L) < n_kt) ++L;
-    /* |dP_ij| <= D max|dO| max|v|, P >= 0 sums to at most 1 over a row: |sum_j dS_ij k_j| <= this */
-    const double bound = ((double)p.D * m[0] * m[3] + m[1]) * m[2];
-    int32_t E;
-    if (!isfinite(bound)) {
-        E = kFixNonFinite;
-    } else if (bound == 0.0) {
-        E = 0; /* every partial is 0 */
-    } else {
-        int e;
-        frexp(bound, &e); /* bound < 2^e */
-        E = min(240, max(-120, 61 - L - e)); /* 2^E: two exact float steps (sm90_bwd_dkdv.cuh) */
-    }
-    ws.fix.word[0] = E;
-    ws.fix.word[1] = L;
-}
-
 /* Row y = 0: dsink_h = the ordered sum of the partials (block x = 0); rows 1, 2: the dK/dV and dQ
- * grids' longest-first orders; row 3: the fixed-point dQ scale (block x = 0). */
+ * grids' longest-first orders. */
 __global__ void __launch_bounds__(kOrderThreads) bwd_order_kernel(const ncp_sink_attn_bwd_params b, const bwd_workspace ws) {
     if (blockIdx.y == 1) return rank_tiles(ws.kv);
     if (blockIdx.y == 2) return rank_tiles(ws.q);
-    if (blockIdx.y == 3) {
-        if (blockIdx.x == 0 && ws.fix.word != nullptr) fixed_scale(b.f, ws);
-        return;
-    }
     if (blockIdx.x != 0 || b.dsink == nullptr) return;
     /* One warp per head: lane l sums partials l, l + 32, ... in order, then a fixed xor tree (the
      * same order every run: dsink stays bitwise repeatable). With a thread per head summing its
@@ -547,12 +446,12 @@ __global__ void __launch_bounds__(kThreads, 2) bwd_dq_kernel(const ncp_sink_attn
 template <typename T, int D, class Mask>
 ncp_status launch_prepass(const ncp_sink_attn_bwd_params &b, const bwd_workspace &ws, cudaStream_t s) {
     const ncp_sink_attn_params &p = b.f;
-    const bool ordered = ws.kv.n > 0 || ws.q.n > 0, fix = ws.fix.word != nullptr;
-    bwd_pre_kernel<T, D, Mask><<<dim3(ws.n_part, p.Hq + (ordered || fix ? 1 : 0)), kPreThreads, 0, s>>>(b, ws);
+    const bool ordered = ws.kv.n > 0 || ws.q.n > 0;
+    bwd_pre_kernel<T, D, Mask><<<dim3(ws.n_part, p.Hq + (ordered ? 1 : 0)), kPreThreads, 0, s>>>(b, ws);
     NCP_CUDA_CHECK(cudaGetLastError());
-    if (p.sink != nullptr || ordered || fix) {
+    if (p.sink != nullptr || ordered) {
         const int nb = (max(1, max(ws.kv.n, ws.q.n)) + kOrderThreads - 1) / kOrderThreads;
-        bwd_order_kernel<<<dim3(nb, fix ? 4 : 3), kOrderThreads, 0, s>>>(b, ws);
+        bwd_order_kernel<<<dim3(nb, 3), kOrderThreads, 0, s>>>(b, ws);
         NCP_CUDA_CHECK(cudaGetLastError());
     }
     return NCP_OK;

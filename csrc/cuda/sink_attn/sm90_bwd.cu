@@ -27,7 +27,7 @@ namespace {
  * it). Either kernel gives the same results on any mask: the hint only picks the faster one. */
 inline bool skips_items(const ncp_sink_attn_params &p) { return p.mask.window > 0; }
 
-template <typename T, int D, bool ADQ, class Mask, bool SKIP, bool FIX>
+template <typename T, int D, bool ADQ, class Mask, bool SKIP>
 __global__ void __launch_bounds__(kThreads, 1)
     bwd_dkdv_sm90_kernel(const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
                          const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_do,
@@ -56,7 +56,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     Split::consumer();
     DkdvConsumer<T, D, ADQ> c(p, w, bar, base, s_l2, s_dl, s_kb, sm90::warp_uniform(wg - 1));
     sm90::mbar_wait(bar.stat(), 0);
-    if constexpr (ADQ) c.template run_adq<SKIP, FIX>(ws);
+    if constexpr (ADQ) c.template run_adq<SKIP>(ws.dq_accum);
     else c.template run_det<SKIP>();
     c.store(b);
 #else
@@ -181,44 +181,10 @@ __global__ void __launch_bounds__(256) dq_convert_kernel(const float *__restrict
     *reinterpret_cast<uint4 *>(dq + (int64_t)t * st + (int64_t)h * sh + c) = v;
 }
 
-/* dq[t, h, :] = scale 2^-E * the fixed-point accumulator (launch.h fixed_dq), NaN on marked rows
- * and everywhere when the bound was not finite. */
-template <typename T, int D>
-__global__ void __launch_bounds__(256) dq_convert_fixed_kernel(const fixed_dq fix, T *dq, int64_t st, int64_t sh, int Tq,
-                                                               int Hq, float scale) {
-    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, n = (int64_t)Hq * Tq * (D / 8);
-    if (i >= n) return;
-    const int c = (int)(i % (D / 8)) * 8;
-    const int64_t ht = i / (D / 8);
-    const int t = (int)(ht % Tq), h = (int)(ht / Tq);
-    const int n_qt = (Tq + 63) / 64, row = t % 64, rr = row % 16;
-    const int64_t tile = ((int64_t)h * n_qt + t / 64) * (D / 64) + c / 64;
-    const int32_t E = __ldg(fix.word);
-    const bool nan = E == kFixNonFinite || __ldg(fix.row_bad + (int64_t)h * Tq + t) != 0;
-    /* scale first, then 2^-E in two exact steps: no intermediate below the result */
-    const float mul_a = nan ? __int_as_float(0x7fc00000) : __int_as_float((127 - E / 2) << 23),
-                mul_b = nan ? 1.f : __int_as_float((127 - (E - E / 2)) << 23);
-    const ulonglong2 *src =
-        reinterpret_cast<const ulonglong2 *>(fix.acc + tile * 4096 + 2 * dq_frag_pos(row / 16, (c % 64) / 8, rr / 8, (rr % 8) * 4));
-    float f[8];
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-        const ulonglong2 a = src[k];
-        f[2 * k] = __ll2float_rn((long long)a.x) * scale * mul_a * mul_b;
-        f[2 * k + 1] = __ll2float_rn((long long)a.y) * scale * mul_a * mul_b;
-    }
-    uint4 v;
-    v.x = elem<T>::pack(f[0], f[1]);
-    v.y = elem<T>::pack(f[2], f[3]);
-    v.z = elem<T>::pack(f[4], f[5]);
-    v.w = elem<T>::pack(f[6], f[7]);
-    *reinterpret_cast<uint4 *>(dq + (int64_t)t * st + (int64_t)h * sh + c) = v;
-}
-
-template <typename T, int D, bool ADQ, class Mask, bool SKIP, bool FIX> struct ic_dkdv {};
+template <typename T, int D, bool ADQ, class Mask, bool SKIP> struct ic_dkdv {};
 template <typename T, int D, class Mask, bool SKIP> struct ic_dq {};
 
-template <typename T, int D, bool ADQ, class Mask, bool SKIP, bool FIX>
+template <typename T, int D, bool ADQ, class Mask, bool SKIP>
 ncp_status launch_dkdv_t(const ncp_sink_attn_bwd_params &b, const bwd_workspace &ws, const attn_config &cfg,
                        cudaStream_t stream) {
     const ncp_sink_attn_params &p = b.f;
@@ -229,8 +195,8 @@ ncp_status launch_dkdv_t(const ncp_sink_attn_bwd_params &b, const bwd_workspace 
     NCP_TRY(ncp_sm90_tensor_map(&tdo, b.dout, p.Tq, p.Hq, D, b.do_st, b.do_sh, KQB));
     NCP_ARG_CHECK(((int64_t)p.Tk + KVB - 1) / KVB <= 65535, "too many key tiles for one launch (Tk=%d)", p.Tk);
     constexpr int bytes = Layout<D, KVB, KQB, ADQ>::bytes;
-    auto kernel = bwd_dkdv_sm90_kernel<T, D, ADQ, Mask, SKIP, FIX>;
-    NCP_TRY((sm90::kernel_setup<ic_dkdv<T, D, ADQ, Mask, SKIP, FIX>, Split>(kernel, bytes, cfg.device)));
+    auto kernel = bwd_dkdv_sm90_kernel<T, D, ADQ, Mask, SKIP>;
+    NCP_TRY((sm90::kernel_setup<ic_dkdv<T, D, ADQ, Mask, SKIP>, Split>(kernel, bytes, cfg.device)));
     kernel<<<dim3(p.Hkv, (p.Tk + KVB - 1) / KVB), kThreads, bytes, stream>>>(tk, tv, tq, tdo, b, ws);
     NCP_CUDA_CHECK(cudaGetLastError());
     return NCP_OK;
@@ -238,11 +204,8 @@ ncp_status launch_dkdv_t(const ncp_sink_attn_bwd_params &b, const bwd_workspace 
 template <typename T, int D, bool ADQ, class Mask>
 ncp_status launch_dkdv(const ncp_sink_attn_bwd_params &b, const bwd_workspace &ws, const attn_config &cfg,
                        cudaStream_t stream) {
-    if (ws.fix.word != nullptr)
-        return skips_items(b.f) ? launch_dkdv_t<T, D, true, Mask, true, true>(b, ws, cfg, stream)
-                                : launch_dkdv_t<T, D, true, Mask, false, true>(b, ws, cfg, stream);
-    return skips_items(b.f) ? launch_dkdv_t<T, D, ADQ, Mask, true, false>(b, ws, cfg, stream)
-                            : launch_dkdv_t<T, D, ADQ, Mask, false, false>(b, ws, cfg, stream);
+    return skips_items(b.f) ? launch_dkdv_t<T, D, ADQ, Mask, true>(b, ws, cfg, stream)
+                            : launch_dkdv_t<T, D, ADQ, Mask, false>(b, ws, cfg, stream);
 }
 
 template <typename T, int D, class Mask, bool SKIP>
@@ -274,16 +237,6 @@ ncp_status launch_dq(const ncp_sink_attn_bwd_params &b, const bwd_workspace &ws,
 template <typename T, int D, class Mask>
 ncp_status launch(const ncp_sink_attn_bwd_params &b, const bwd_workspace &ws, const attn_config &cfg, cudaStream_t s) {
     const ncp_sink_attn_params &p = b.f;
-    if (ws.fix.word != nullptr) {
-        if (p.Tk > 0) NCP_TRY((launch_dkdv<T, D, true, Mask>(b, ws, cfg, s)));
-        const int64_t n = (int64_t)p.Hq * p.Tq * (D / 8);
-        if (n > 0) {
-            dq_convert_fixed_kernel<T, D><<<(unsigned)((n + 255) / 256), 256, 0, s>>>(
-                ws.fix, reinterpret_cast<T *>(b.dq), b.dq_st, b.dq_sh, p.Tq, p.Hq, (float)p.scale);
-            NCP_CUDA_CHECK(cudaGetLastError());
-        }
-        return NCP_OK;
-    }
     if (ws.dq_accum != nullptr) {
         if (p.Tk > 0) NCP_TRY((launch_dkdv<T, D, true, Mask>(b, ws, cfg, s)));
         const int64_t n = (int64_t)p.Hq * p.Tq * (D / 8);

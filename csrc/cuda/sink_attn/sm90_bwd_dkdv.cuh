@@ -218,15 +218,8 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
      * other reaches after its dQ MMA of item it - 2 is done. The staging tile of the bulk reduction
      * is rewritten only after its leader thread waited for the previous reduction's reads. dq_accum
      * is (Hq, ceil(Tq / 64), D / 64, 4096) in fragment order (dq_frag_pos). */
-    template <bool SKIP, bool FIX> __device__ __forceinline__ void run_adq(const bwd_workspace &ws) {
+    template <bool SKIP> __device__ __forceinline__ void run_adq(float *dq_accum) {
         const int key0 = D == 128 ? 0 : 64 * cw, cb = D == 128 ? cw : 0;
-        /* FIX: partials times 2^E, rounded to int64, each thread adding its own (launch.h fixed_dq) */
-        int32_t fix_e = 0, fix_l = 0;
-        if (FIX) fix_e = __ldg(ws.fix.word), fix_l = __ldg(ws.fix.word + 1);
-        if (fix_e == kFixNonFinite) fix_e = 0; /* dq is all NaN then (the conversion) */
-        /* 2^E in two exact steps (E up to 240: partials down to 2^-149 keep their bits) */
-        const float fix_mul_a = __int_as_float((fix_e / 2 + 127) << 23), fix_mul_b = __int_as_float((fix_e - fix_e / 2 + 127) << 23);
-        const float fix_max = __int_as_float((62 - fix_l + 127) << 23);
         constexpr int kDqKeys = D == 128 ? KVB : 64;
         const uint32_t sKc = sK() + cb * KVB * 128; /* K's column block of this warpgroup's dQ columns */
         const uint32_t sStw = base + L::stage_off + cw * 64 * 64 * 4;
@@ -242,7 +235,6 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
             const int s = Ring::slot(it);
             const uint32_t sDS = base + L::ds_off + (it & 1) * L::ds_bytes;
             float dq[32];
-            bool dq_zero = false; /* FIX: nothing to add */
             /* Each branch waits for its MMAs before the paths merge (see the forward's note on C7515). */
             if (!SKIP || (f & 1u)) {
                 float st[KQB / 2], dpt[KQB / 2]; /* per item: no loop-carried accumulator copies */
@@ -292,45 +284,22 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
                 } else {
 #pragma unroll
                     for (int i = 0; i < 32; ++i) dq[i] = 0.f;
-                    dq_zero = true;
                     f = wait_item(it + 1);
                 }
             }
             release(it);
-            if constexpr (FIX) {
-                if (dq_zero) continue;
+#pragma unroll
+            for (int j = 0; j < 8; ++j)
+#pragma unroll
+                for (int r = 0; r < 2; ++r)
+                    asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(sStw + 8 * dq_frag_pos(warp, j, r, lane)),
+                                 "f"(dq[4 * j + 2 * r]), "f"(dq[4 * j + 2 * r + 1]));
+            sm90::fence_proxy_async_smem();
+            sm90::named_sync(1 + cw, 128);
+            if (leader) {
                 const int qt = w.q0(it) / KQB;
-                unsigned long long *dst = ws.fix.acc + (((int64_t)w.head(it) * n_qt + qt) * (D / 64) + cb) * 4096;
-#pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    float m = 0.f;
-                    bool nan = false;
-#pragma unroll
-                    for (int j = 0; j < 8; ++j) {
-                        const float x0 = dq[4 * j + 2 * r] * fix_mul_a * fix_mul_b, x1 = dq[4 * j + 2 * r + 1] * fix_mul_a * fix_mul_b;
-                        m = fmaxf(m, fmaxf(fabsf(x0), fabsf(x1)));
-                        nan |= (x0 != x0) | (x1 != x1);
-                        unsigned long long *e = dst + 2 * dq_frag_pos(warp, j, r, lane);
-                        sm90::red_add_u64(e, (unsigned long long)__float2ll_rn(x0));
-                        sm90::red_add_u64(e + 1, (unsigned long long)__float2ll_rn(x1));
-                    }
-                    const int row = w.q0(it) + 16 * warp + (lane >> 2) + 8 * r;
-                    if ((nan || !(m <= fix_max)) && row < p.Tq) ws.fix.row_bad[(int64_t)w.head(it) * p.Tq + row] = 1;
-                }
-            } else {
-#pragma unroll
-                for (int j = 0; j < 8; ++j)
-#pragma unroll
-                    for (int r = 0; r < 2; ++r)
-                        asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(sStw + 8 * dq_frag_pos(warp, j, r, lane)),
-                                     "f"(dq[4 * j + 2 * r]), "f"(dq[4 * j + 2 * r + 1]));
-                sm90::fence_proxy_async_smem();
-                sm90::named_sync(1 + cw, 128);
-                if (leader) {
-                    const int qt = w.q0(it) / KQB;
-                    float *dst = ws.dq_accum + (((int64_t)w.head(it) * n_qt + qt) * (D / 64) + cb) * 4096;
-                    sm90::bulk_reduce_add_f32(dst, sStw, 64 * 64 * 4);
-                }
+                float *dst = dq_accum + (((int64_t)w.head(it) * n_qt + qt) * (D / 64) + cb) * 4096;
+                sm90::bulk_reduce_add_f32(dst, sStw, 64 * 64 * 4);
             }
         }
         if (leader) sm90::bulk_wait_read<0>(); /* shared memory must outlive the last reads */

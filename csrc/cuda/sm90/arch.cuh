@@ -124,10 +124,6 @@ __device__ __forceinline__ void bulk_reduce_add_f32(float *dst, uint32_t src, ui
                  "cp.async.bulk.commit_group;\n" ::"l"(dst), "r"(src), "r"(bytes)
                  : "memory");
 }
-/* *dst += v in global memory, no return value (two's complement: signed sums too). */
-__device__ __forceinline__ void red_add_u64(unsigned long long *dst, unsigned long long v) {
-    asm volatile("red.global.add.u64 [%0], %1;\n" ::"l"(dst), "l"(v) : "memory");
-}
 template <int N> __device__ __forceinline__ void bulk_wait_read() {
     asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
 }
