@@ -61,10 +61,10 @@ int32_t tiles_of(int32_t rows, int tile) { return rows <= 0 ? 0 : (int32_t)(((in
 
 /* Byte offsets of the backward workspace's parts (each 256-byte aligned) and its total: Delta,
  * dsink partials, the Hopper grids' tile work and orders (dK/dV always, dQ when deterministic),
- * the atomic-dQ accumulator, and with D = 128 the tables of its in-kernel conversion (dq_fuse). */
+ * the atomic-dQ accumulator. */
 struct ws_layout {
-    int64_t delta, part, kv, q, acc, fz, total;
-    int32_t n_part, n_kv, n_q, fz_kv, fz_qt;
+    int64_t delta, part, kv, q, acc, total;
+    int32_t n_part, n_kv, n_q;
 };
 ws_layout layout_of(int32_t Tq, int32_t Tk, int32_t Hq, int32_t D, bool has_sink, const choice &c) {
     auto up = [](int64_t x) { return (x + 255) / 256 * 256; };
@@ -77,11 +77,7 @@ ws_layout layout_of(int32_t Tq, int32_t Tk, int32_t Hq, int32_t D, bool has_sink
     w.kv = w.part + (has_sink ? up((int64_t)Hq * w.n_part * 4) : 0);
     w.q = w.kv + up((int64_t)w.n_kv * 8);
     w.acc = w.q + up((int64_t)w.n_q * 8);
-    w.fz = w.acc + up(c.atomic_dq ? (int64_t)Hq * ((Tq + 63) / 64) * 64 * D * 4 : 0);
-    const bool fuse = c.atomic_dq && D == 128; /* in-kernel dQ conversion (launch.h: dq_fuse) */
-    w.fz_kv = fuse ? tiles_of(Tk, kBwdKvTile) : 0;
-    w.fz_qt = fuse ? tiles_of(Tq, kBwdKvStep) : 0;
-    w.total = w.fz + (fuse ? up((int64_t)w.fz_kv * 8) + up((int64_t)w.fz_qt * 4) + (int64_t)Hq * w.fz_qt * (D / 64) * 4 : 0);
+    w.total = w.acc + (c.atomic_dq ? (int64_t)Hq * ((Tq + 63) / 64) * 64 * D * 4 : 0);
     return w;
 }
 
@@ -161,16 +157,6 @@ extern "C" ncp_status ncp_sink_attn_bwd_cuda(const ncp_sink_attn_bwd_params *b, 
     ws.dq_accum = c.atomic_dq && p.Tq > 0 ? reinterpret_cast<float *>(base + w.acc) : nullptr;
     ws.kv = ncp::carve_order(base, w.kv, w.n_kv, p.Hkv, c.cfg);
     ws.q = ncp::carve_order(base, w.q, w.n_q, p.Hq, c.cfg);
-    ws.fz = ncp::dq_fuse{};
-    if (w.fz_qt > 0) {
-        const int64_t up_kv = (w.fz_kv * 8 + 255) / 256 * 256, up_qt = (w.fz_qt * 4 + 255) / 256 * 256;
-        ws.fz.first = reinterpret_cast<int32_t *>(base + w.fz);
-        ws.fz.n = ws.fz.first + w.fz_kv;
-        ws.fz.cnt = reinterpret_cast<int32_t *>(base + w.fz + up_kv);
-        ws.fz.arrive = reinterpret_cast<uint32_t *>(base + w.fz + up_kv + up_qt);
-        ws.fz.n_kv = w.fz_kv;
-        ws.fz.n_qt = w.fz_qt;
-    }
     cudaStream_t s = (cudaStream_t)stream;
     NCP_TRY(ncp::attn_bwd_prepass(*b, ws, s));
     return c.sm90 ? ncp::attn_bwd_sm90(*b, ws, c.cfg, s) : ncp::attn_bwd_portable(*b, ws, s);

@@ -47,22 +47,6 @@ struct tile_order {
     int32_t chunk;  /* tiles per chunk (>= 1) */
 };
 
-/* The in-kernel dQ conversion of the atomic-dQ Hopper backward (D = 128): the dK/dV CTA whose
- * reduction completes a 64 x 64 dQ block last converts it to dq (sm90_bwd_dkdv.cuh), so no pass
- * over the accumulator follows. The pre-pass writes every kv tile's q tiles (first, n: the items
- * of its CTA, the same q_tiles_seeing call as KvItems) and zeroes cnt and arrive; the order kernel
- * counts the CTAs adding into each q tile (cnt); each reduction, once complete, increments its
- * block's arrive counter, and the one that brings it to cnt converts. q tiles no CTA adds into
- * (cnt 0: rows that see no key) are zeroed after the dK/dV kernel. NULL pointers: off (the
- * accumulator is converted by a pass). */
-struct dq_fuse {
-    int32_t *first;    /* (n_kv) first q tile (kBwdKvStep rows) of each kv tile's items */
-    int32_t *n;        /* (n_kv) their number */
-    int32_t *cnt;      /* (n_qt) dK/dV CTAs adding into each q tile */
-    uint32_t *arrive;  /* (Hq, n_qt, D / 64) completed reductions per dQ block */
-    int32_t n_kv, n_qt;
-};
-
 /* The backward workspace, carved by the dispatcher out of the caller's buffer. */
 struct bwd_workspace {
     float *delta;      /* (Hq, Tq) rowsum(dO * O) */
@@ -71,7 +55,6 @@ struct bwd_workspace {
     float *dq_accum;   /* atomic-dQ Hopper backward: (Hq, ceil(Tq / 64), D / 64, 64 x 64) fp32, else NULL */
     tile_order kv;     /* Hopper dK/dV grid (key tiles) */
     tile_order q;      /* Hopper deterministic dQ grid (query tiles) */
-    dq_fuse fz;        /* in-kernel dQ conversion (atomic dQ, D = 128), else NULL pointers */
 };
 
 /* Rows per dsink partial sum in the backward pre-pass. */

@@ -10,9 +10,8 @@
  * Kernels, all deterministic (no atomics, fixed reduction orders):
  *   bwd_pre_kernel    D_i for every (row, head) and per-block dsink partial sums (the Delta pre-pass);
  *                     on Hopper also the work of every tile of the backward grids (launch.h) and
- *                     the zeros of the atomic-dQ accumulator and of its conversion's counters
- *   bwd_order_kernel  dsink_h = ordered sum of the partials; the grids' longest-first tile orders;
- *                     the dK/dV CTAs adding into each q tile (in-kernel dQ conversion: dq_fuse)
+ *                     the zeros of the atomic-dQ accumulator
+ *   bwd_order_kernel  dsink_h = ordered sum of the partials; the grids' longest-first tile orders
  *   bwd_dkdv_kernel   one CTA per (kv tile of 64 keys, kv head): loops over the G query heads of
  *                     the group and every q tile that sees the keys; computes S^T = K Q^T so that
  *                     P^T and dS^T are born in registers as A fragments of dV += P^T dO and
@@ -47,15 +46,11 @@ constexpr int kPreThreads = 256;
 template <class Mask> __device__ __forceinline__ void tile_work(const ncp_sink_attn_params &p, const bwd_workspace &ws) {
     const Mask mask(p);
     const int stride = gridDim.x * kPreThreads;
-    for (int t = blockIdx.x * kPreThreads + threadIdx.x; t < max(ws.kv.n, ws.fz.n_kv); t += stride) {
+    for (int t = blockIdx.x * kPreThreads + threadIdx.x; t < ws.kv.n; t += stride) {
         int t0, n;
         const int k1 = (int)min((int64_t)(t + 1) * kBwdKvTile, (int64_t)p.Tk) - 1; /* no int overflow near 2^31 */
-        q_tiles_seeing(mask, t * kBwdKvTile, k1, kBwdKvStep, t0, n); /* as KvItems (sm90_bwd_parts.cuh) */
-        if (t < ws.kv.n) ws.kv.work[t] = n;
-        if (t < ws.fz.n_kv) {
-            ws.fz.first[t] = t0;
-            ws.fz.n[t] = n;
-        }
+        q_tiles_seeing(mask, t * kBwdKvTile, k1, kBwdKvStep, t0, n);
+        ws.kv.work[t] = n;
     }
     for (int t = blockIdx.x * kPreThreads + threadIdx.x; t < ws.q.n; t += stride) {
         const q_tile_range r = q_range(mask, t * kBwdQTile, kBwdQTile, kBwdQStep);
@@ -76,12 +71,6 @@ __global__ void __launch_bounds__(kPreThreads) bwd_pre_kernel(const ncp_sink_att
         const int n_qt = (p.Tq + 63) / 64, t0 = blockIdx.x * (kRows / 64), nt = min(kRows / 64, n_qt - t0);
         float4 *acc = reinterpret_cast<float4 *>(ws.dq_accum + ((int64_t)h * n_qt + t0) * 64 * D);
         for (int i = threadIdx.x; i < nt * 64 * D / 4; i += kPreThreads) acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (ws.fz.arrive != nullptr) { /* the in-kernel conversion's counters of these tiles (launch.h) */
-            for (int i = threadIdx.x; i < nt * (D / 64); i += kPreThreads)
-                ws.fz.arrive[((int64_t)h * n_qt + t0) * (D / 64) + i] = 0u;
-            if (h == 0)
-                for (int i = threadIdx.x; i < nt; i += kPreThreads) ws.fz.cnt[t0 + i] = 0;
-        }
     }
     const bool has_sink = p.sink != nullptr;
     const float sink = has_sink ? __ldg(reinterpret_cast<const float *>(p.sink) + h) : 0.f;
@@ -134,21 +123,11 @@ __device__ __forceinline__ void rank_tiles(const tile_order &o) {
     o.order[pos] = t;
 }
 
-/* cnt[m] = the kv tiles whose items include q tile m (dq_fuse, launch.h): thread t adds one to the
- * q tiles of kv tile t, as the pre-pass wrote them. */
-__device__ __forceinline__ void count_adders(const dq_fuse &fz) {
-    const int t = blockIdx.x * kOrderThreads + threadIdx.x;
-    if (t >= fz.n_kv) return;
-    const int t0 = fz.first[t], t1 = min(t0 + fz.n[t], fz.n_qt);
-    for (int m = max(t0, 0); m < t1; ++m) atomicAdd(fz.cnt + m, 1);
-}
-
 /* Row y = 0: dsink_h = the ordered sum of the partials (block x = 0); rows 1, 2: the dK/dV and dQ
- * grids' longest-first orders; row 3: the adders of every q tile (count_adders). */
+ * grids' longest-first orders. */
 __global__ void __launch_bounds__(kOrderThreads) bwd_order_kernel(const ncp_sink_attn_bwd_params b, const bwd_workspace ws) {
     if (blockIdx.y == 1) return rank_tiles(ws.kv);
     if (blockIdx.y == 2) return rank_tiles(ws.q);
-    if (blockIdx.y == 3) return count_adders(ws.fz);
     if (blockIdx.x != 0 || b.dsink == nullptr) return;
     /* One warp per head: lane l sums partials l, l + 32, ... in order, then a fixed xor tree (the
      * same order every run: dsink stays bitwise repeatable). With a thread per head summing its
@@ -467,12 +446,12 @@ __global__ void __launch_bounds__(kThreads, 2) bwd_dq_kernel(const ncp_sink_attn
 template <typename T, int D, class Mask>
 ncp_status launch_prepass(const ncp_sink_attn_bwd_params &b, const bwd_workspace &ws, cudaStream_t s) {
     const ncp_sink_attn_params &p = b.f;
-    const bool ordered = ws.kv.n > 0 || ws.q.n > 0, fused = ws.fz.n_kv > 0;
-    bwd_pre_kernel<T, D, Mask><<<dim3(ws.n_part, p.Hq + (ordered || fused ? 1 : 0)), kPreThreads, 0, s>>>(b, ws);
+    const bool ordered = ws.kv.n > 0 || ws.q.n > 0;
+    bwd_pre_kernel<T, D, Mask><<<dim3(ws.n_part, p.Hq + (ordered ? 1 : 0)), kPreThreads, 0, s>>>(b, ws);
     NCP_CUDA_CHECK(cudaGetLastError());
-    if (p.sink != nullptr || ordered || fused) {
-        const int nb = (max(1, max(max(ws.kv.n, ws.q.n), ws.fz.n_kv)) + kOrderThreads - 1) / kOrderThreads;
-        bwd_order_kernel<<<dim3(nb, fused ? 4 : 3), kOrderThreads, 0, s>>>(b, ws);
+    if (p.sink != nullptr || ordered) {
+        const int nb = (max(1, max(ws.kv.n, ws.q.n)) + kOrderThreads - 1) / kOrderThreads;
+        bwd_order_kernel<<<dim3(nb, 3), kOrderThreads, 0, s>>>(b, ws);
         NCP_CUDA_CHECK(cudaGetLastError());
     }
     return NCP_OK;

@@ -56,7 +56,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     Split::consumer();
     DkdvConsumer<T, D, ADQ> c(p, w, bar, base, s_l2, s_dl, s_kb, sm90::warp_uniform(wg - 1));
     sm90::mbar_wait(bar.stat(), 0);
-    if constexpr (ADQ) c.template run_adq<SKIP>(ws.dq_accum, ws.fz, b);
+    if constexpr (ADQ) c.template run_adq<SKIP>(ws.dq_accum);
     else c.template run_det<SKIP>();
     c.store(b);
 #else
@@ -181,21 +181,6 @@ __global__ void __launch_bounds__(256) dq_convert_kernel(const float *__restrict
     *reinterpret_cast<uint4 *>(dq + (int64_t)t * st + (int64_t)h * sh + c) = v;
 }
 
-/* The rows of the q tiles (kBwdKvStep rows) no dK/dV CTA adds into (dq_fuse.cnt 0: rows that see
- * no key, or no keys at all) get dq = 0; the in-kernel conversion wrote every other row. One
- * thread per (head, q tile), 8 columns per store. */
-template <typename T, int D>
-__global__ void __launch_bounds__(256) dq_zero_unseen_kernel(const int32_t *__restrict__ cnt, T *dq, int64_t st, int64_t sh,
-                                                             int Tq, int Hq, int n_qt) {
-    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= (int64_t)Hq * n_qt) return;
-    const int qt = (int)(i % n_qt), h = (int)(i / n_qt);
-    if (cnt[qt] != 0) return;
-    for (int t = qt * kBwdKvStep; t < min(Tq, (qt + 1) * kBwdKvStep); ++t)
-#pragma unroll
-        for (int c = 0; c < D; c += 8) *reinterpret_cast<uint4 *>(dq + (int64_t)t * st + (int64_t)h * sh + c) = uint4{0, 0, 0, 0};
-}
-
 template <typename T, int D, bool ADQ, class Mask, bool SKIP> struct ic_dkdv {};
 template <typename T, int D, class Mask, bool SKIP> struct ic_dq {};
 
@@ -254,13 +239,6 @@ ncp_status launch(const ncp_sink_attn_bwd_params &b, const bwd_workspace &ws, co
     const ncp_sink_attn_params &p = b.f;
     if (ws.dq_accum != nullptr) {
         if (p.Tk > 0) NCP_TRY((launch_dkdv<T, D, true, Mask>(b, ws, cfg, s)));
-        if (D == 128 && ws.fz.cnt != nullptr) { /* converted in the dK/dV kernel: the unseen rows are left */
-            const int64_t n = (int64_t)p.Hq * ws.fz.n_qt;
-            dq_zero_unseen_kernel<T, D><<<(unsigned)((n + 255) / 256), 256, 0, s>>>(
-                ws.fz.cnt, reinterpret_cast<T *>(b.dq), b.dq_st, b.dq_sh, p.Tq, p.Hq, ws.fz.n_qt);
-            NCP_CUDA_CHECK(cudaGetLastError());
-            return NCP_OK;
-        }
         const int64_t n = (int64_t)p.Hq * p.Tq * (D / 8);
         dq_convert_kernel<T, D><<<(unsigned)((n + 255) / 256), 256, 0, s>>>(ws.dq_accum, reinterpret_cast<T *>(b.dq),
                                                                              b.dq_st, b.dq_sh, p.Tq, p.Hq, (float)p.scale);

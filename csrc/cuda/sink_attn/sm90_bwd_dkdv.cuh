@@ -210,98 +210,6 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
         for (int ks = 0; ks < NK / 16; ++ks) /* k-step ks: + 16 rows of 128 bytes in both */
             sm90::wgmma<T, 64>::template ss<1, 1>(dq, sm90::desc_of(la + ks * 128), sm90::desc_of(lb + ks * 128), ks > 0);
     }
-    /* In-kernel dQ conversion (D = 128; dq_fuse in launch.h). The 64 x 64 block that item it adds
-     * into: (head, q tile, column block cw), its index in dq_accum's blocks and in fz.arrive. */
-    __device__ __forceinline__ int block_of(int it, int n_qt) const { return (w.head(it) * n_qt + w.q0(it) / KQB) * 2 + cw; }
-    /* dq rows of block blk = scale x its completed sum, read in fragment order from the staging tile
-     * (SMEM: loaded there by the leader) or from dq_accum; each thread stores the pairs of columns
-     * its own fragments hold (the positions it stages its dQ at next, so no other thread's). */
-    template <bool SMEM>
-    __device__ __forceinline__ void convert(int blk, int n_qt, const float *dq_accum, uint32_t sStw,
-                                            const ncp_sink_attn_bwd_params &b) const {
-        const int hq = blk >> 1, qt = hq % n_qt, h = hq / n_qt;
-        T *dst = reinterpret_cast<T *>(b.dq) + (int64_t)h * b.dq_sh + (blk & 1) * 64 + 2 * tq;
-        const float2 *src = reinterpret_cast<const float2 *>(dq_accum + (int64_t)blk * 4096);
-        const float sc = (float)p.scale;
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const int row = qt * KQB + 16 * warp + (lane >> 2) + 8 * r;
-#pragma unroll
-            for (int j = 0; j < 8; ++j) {
-                const int pos = dq_frag_pos(warp, j, r, lane);
-                float2 x;
-                if (SMEM) asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(x.x), "=f"(x.y) : "r"(sStw + 8 * pos));
-                else x = __ldcg(src + pos);
-                if (row < p.Tq)
-                    *reinterpret_cast<uint32_t *>(dst + (int64_t)row * b.dq_st + 8 * j) = elem<T>::pack(x.x * sc, x.y * sc);
-            }
-        }
-    }
-    /* The leader's arrivals, one item behind the reductions so that neither the completion of a
-     * reduction nor an atomic's answer is waited for on the MMA path: before the barrier of item
-     * it the staging tile's reads are done (as without conversion), the reduction of item it - 2
-     * has completed and is counted, and the count returned one item earlier says whether it
-     * completed its block (then that block is loaded into the staging tile, converted after the
-     * item's MMAs: convert<true>). Writes the block to convert, or -1, to flag(cw, 0). */
-    struct Arrivals {
-        int blk = -1;      /* block whose count is in `old` */
-        uint32_t old = 0;  /* the count before its arrival */
-        int need = 0;      /* the adders of its q tile */
-    };
-    /* Called by the leader (lane 0) alone; its atomics add `lane` (0) to the address, so that ptxas
-     * does not see a warp-uniform address and aggregate them over the warp (which reads the result
-     * at once: a round trip to L2 per item on the MMA path). */
-    __device__ __forceinline__ void lead(int it, Arrivals &a, const dq_fuse &fz, const float *dq_accum, uint32_t sStw) const {
-        sm90::bulk_wait_read<0>();
-        int conv = -1;
-        if (a.blk >= 0 && (int)a.old + 1 == a.need) conv = a.blk;
-        a.blk = -1;
-        if (it >= 2) {
-            sm90::bulk_wait<1>(); /* the reduction of item it - 2 has completed: its writes are performed */
-            a.blk = block_of(it - 2, fz.n_qt);
-            a.need = __ldg(fz.cnt + w.q0(it - 2) / KQB);
-            a.old = sm90::atom_add_release(fz.arrive + a.blk + lane, 1u); /* lane 0: see below */
-        }
-        if (conv >= 0) { /* acquire the other adders' writes, then read them through the async proxy */
-            sm90::fence_acq_rel_gpu();
-            sm90::fence_proxy_async_global();
-            sm90::mbar_expect_tx(bar.conv(cw), 64 * 64 * 4);
-            sm90::bulk_load(sStw, dq_accum + (int64_t)conv * 4096, 64 * 64 * 4, bar.conv(cw));
-        }
-        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(bar.flag(cw, 0)), "r"(conv) : "memory");
-    }
-    __device__ __forceinline__ int flag(int k) const {
-        int v;
-        asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(bar.flag(cw, k)) : "memory");
-        return v;
-    }
-    /* After the last item: every reduction complete, the last two counted, and the blocks they and
-     * the pending count complete converted from dq_accum. */
-    __device__ __forceinline__ void drain(Arrivals &a, const dq_fuse &fz, const float *dq_accum,
-                                          const ncp_sink_attn_bwd_params &b, bool leader) const {
-        if (leader) {
-            sm90::bulk_wait<0>();
-            int c[3] = {a.blk >= 0 && (int)a.old + 1 == a.need ? a.blk : -1, -1, -1};
-#pragma unroll
-            for (int k = 0; k < 2; ++k) {
-                const int i = w.n_it - 2 + k;
-                if (i < 0) continue;
-                const int blk = block_of(i, fz.n_qt), need = __ldg(fz.cnt + w.q0(i) / KQB);
-                if ((int)sm90::atom_add_release(fz.arrive + blk + lane, 1u) + 1 == need) c[1 + k] = blk;
-            }
-            sm90::fence_acq_rel_gpu(); /* the other adders' writes, read below through the generic proxy */
-            sm90::fence_proxy_async_global();
-#pragma unroll
-            for (int k = 0; k < 3; ++k) asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(bar.flag(cw, k)), "r"(c[k]) : "memory");
-        }
-        sm90::named_sync(1 + cw, 128);
-#pragma unroll 1
-        for (int k = 0; k < 3; ++k) {
-            const int blk = flag(k);
-            if (blk >= 0) convert<false>(blk, fz.n_qt, dq_accum, 0u, b);
-        }
-    }
-
     /* Atomic-dQ mode. D = 128: warpgroup cw computes dQ columns [64 cw, 64 cw + 64) over all 128
      * keys (over the 64 seen ones when an item sees no key of one warpgroup: flags bit 2), so both
      * warpgroups' dS^T must be in shared memory (named barrier kDsBar); D = 64: each
@@ -310,17 +218,13 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
      * other reaches after its dQ MMA of item it - 2 is done. The staging tile of the bulk reduction
      * is rewritten only after its leader thread waited for the previous reduction's reads. dq_accum
      * is (Hq, ceil(Tq / 64), D / 64, 4096) in fragment order (dq_frag_pos). */
-    template <bool SKIP>
-    __device__ __forceinline__ void run_adq(float *dq_accum, const dq_fuse &fz, const ncp_sink_attn_bwd_params &b) {
-        constexpr bool kFuse = D == 128; /* in-kernel conversion (the pre-pass set fz up alike) */
+    template <bool SKIP> __device__ __forceinline__ void run_adq(float *dq_accum) {
         const int key0 = D == 128 ? 0 : 64 * cw, cb = D == 128 ? cw : 0;
         constexpr int kDqKeys = D == 128 ? KVB : 64;
         const uint32_t sKc = sK() + cb * KVB * 128; /* K's column block of this warpgroup's dQ columns */
         const uint32_t sStw = base + L::stage_off + cw * 64 * 64 * 4;
         const bool leader = (threadIdx.x & 127) == 0;
         const int n_qt = (p.Tq + KQB - 1) / KQB;
-        Arrivals arr;
-        uint32_t cph = 0; /* phase of bar.conv(cw) */
         uint32_t f = SKIP ? wait_item(0) : 1u;
         for (int it = 0; it < w.n_it; ++it) {
             if (SKIP && D == 64 && !(f & 1u)) { /* this warpgroup's share of dK, dV and dQ is zero */
@@ -331,7 +235,6 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
             const int s = Ring::slot(it);
             const uint32_t sDS = base + L::ds_off + (it & 1) * L::ds_bytes;
             float dq[32];
-            int conv = -1; /* kFuse: the block this warpgroup converts after its MMAs (lead) */
             /* Each branch waits for its MMAs before the paths merge (see the forward's note on C7515). */
             if (!SKIP || (f & 1u)) {
                 float st[KQB / 2], dpt[KQB / 2]; /* per item: no loop-carried accumulator copies */
@@ -343,14 +246,10 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
                 sm90::rs_steps<T, D, KQB>(dv, pf, sO(s), KQB * 128); /* dV += P^T dO */
                 sm90::wg_commit();
                 sm90::fence_proxy_async_smem(); /* the generic-proxy stores above, before wgmma reads */
-                if (leader) { /* staging free once this barrier passes */
-                    if constexpr (kFuse) lead(it, arr, fz, dq_accum, sStw);
-                    else sm90::bulk_wait_read<0>();
-                }
+                if (leader) sm90::bulk_wait_read<0>(); /* staging free once this barrier passes */
                 if (D == 128 && SKIP) sm90::named_sync_unaligned(kDsBar, 256); /* also reached from the branch below */
                 else if (D == 128) sm90::named_sync(kDsBar, 256);
                 else sm90::named_sync(1 + cw, 128);
-                if constexpr (kFuse) conv = flag(0);
                 const uint32_t la = sm90::desc_lo(sDS + 64 * cw * 128, sm90::kLboKMajor), lb = sm90::desc_lo(sQ(s), KQB * 128);
                 if (D == 128 && SKIP && !(f & 4u)) { /* the other warpgroup's keys unseen: dQ over this one's */
                     issue_dk(la, lb, dq);
@@ -372,12 +271,8 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
             } else { /* D = 128, none of this warpgroup's keys seen: its dS^T rows would be zero, so
                       * neither warpgroup reads them (bit 2 of the other's flags), and its dQ columns
                       * take the other warpgroup's keys alone, or are zero when no key is seen */
-                if (leader) {
-                    if constexpr (kFuse) lead(it, arr, fz, dq_accum, sStw);
-                    else sm90::bulk_wait_read<0>();
-                }
+                if (leader) sm90::bulk_wait_read<0>();
                 sm90::named_sync_unaligned(kDsBar, 256);
-                if constexpr (kFuse) conv = flag(0);
                 if (f & 4u) {
                     sm90::fence_regs(dq, 32);
                     sm90::wg_fence();
@@ -393,11 +288,6 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
                 }
             }
             release(it);
-            if (kFuse && conv >= 0) { /* a block this CTA completed two items ago, loaded by lead */
-                sm90::mbar_wait(bar.conv(cw), cph);
-                cph ^= 1u;
-                convert<true>(conv, n_qt, dq_accum, sStw, b);
-            }
 #pragma unroll
             for (int j = 0; j < 8; ++j)
 #pragma unroll
@@ -412,8 +302,7 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
                 sm90::bulk_reduce_add_f32(dst, sStw, 64 * 64 * 4);
             }
         }
-        if constexpr (kFuse) drain(arr, fz, dq_accum, b, leader);
-        else if (leader) sm90::bulk_wait_read<0>(); /* shared memory must outlive the last reads */
+        if (leader) sm90::bulk_wait_read<0>(); /* shared memory must outlive the last reads */
     }
 
     /* The rows of this warpgroup in sK / sV are free once its MMAs are done: stage dK, dV there. */

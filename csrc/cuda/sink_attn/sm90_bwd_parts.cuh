@@ -57,27 +57,20 @@ template <int D, int SR, int TR, bool DS = false> struct Layout {
 
 #ifdef NCP_SM90_DEVICE
 /* stat_full, then per stage a_full (stream tile a, plus lse/Delta in the dK/dV kernel), b_full
- * (stream tile b) and empty (one arrival per consumer warp); then per consumer warpgroup of the
- * atomic-dQ dK/dV kernel the barrier of a dQ block's load into its staging tile (conv) and four
- * words its leader hands the warpgroup (flag: the blocks to convert). 128 bytes in all. */
+ * (stream tile b) and empty (one arrival per consumer warp). */
 struct Bars {
     uint32_t base;
     __device__ __forceinline__ uint32_t stat() const { return base; }
     __device__ __forceinline__ uint32_t a(int s) const { return base + 8u * (1 + s); }
     __device__ __forceinline__ uint32_t b(int s) const { return base + 8u * (1 + kStages + s); }
     __device__ __forceinline__ uint32_t e(int s) const { return base + 8u * (1 + 2 * kStages + s); }
-    __device__ __forceinline__ uint32_t conv(int cw) const { return base + 8u * (1 + 3 * kStages + cw); }
-    __device__ __forceinline__ uint32_t flag(int cw, int k) const { return base + 8u * (3 + 3 * kStages) + 16u * cw + 4u * k; }
     __device__ __forceinline__ void init(int a_arrivals) const {
-        static_assert(8 * (3 + 3 * kStages) + 32 <= 128, "the barrier block is 128 bytes (Layout::vec_off)");
         sm90::mbar_init(stat(), 1);
         for (int s = 0; s < kStages; ++s) {
             sm90::mbar_init(a(s), a_arrivals);
             sm90::mbar_init(b(s), 1);
             sm90::mbar_init(e(s), 8);
         }
-        sm90::mbar_init(conv(0), 1);
-        sm90::mbar_init(conv(1), 1);
         sm90::mbar_fence_init();
     }
 };

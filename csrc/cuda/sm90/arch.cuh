@@ -124,30 +124,6 @@ __device__ __forceinline__ void bulk_reduce_add_f32(float *dst, uint32_t src, ui
                  "cp.async.bulk.commit_group;\n" ::"l"(dst), "r"(src), "r"(bytes)
                  : "memory");
 }
-/* Bulk copy of `bytes` (multiple of 16, both addresses 16-byte aligned) from global memory to
- * shared memory at dst; the barrier's transaction count drops by them on arrival. */
-__device__ __forceinline__ void bulk_load(uint32_t dst, const void *src, uint32_t bytes, uint32_t bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
-                 "l"(src), "r"(bytes), "r"(bar)
-                 : "memory");
-}
-/* Orders this thread's global accesses of the generic proxy with those of the async proxy (bulk
- * copies and reductions) on either side. */
-__device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;\n" ::: "memory"); }
-/* *p += v at gpu scope with release semantics (the thread's earlier writes are visible to a thread
- * that acquires the new value); returns the old value. One instruction per thread: the compiler
- * does not aggregate it over the warp (atomicAdd would, and wait for its result at once). */
-__device__ __forceinline__ uint32_t atom_add_release(uint32_t *p, uint32_t v) {
-    uint32_t old;
-#if 0
-    asm volatile("atom.relaxed.gpu.global.add.u32 %0, [%1], %2;\n" : "=r"(old) : "l"(p), "r"(v) : "memory");
-#else
-    asm volatile("atom.release.gpu.global.add.u32 %0, [%1], %2;\n" : "=r"(old) : "l"(p), "r"(v) : "memory");
-#endif
-    return old;
-}
-/* Acquire side of atom_add_release, after reading the value it returned. */
-__device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;\n" ::: "memory"); }
 template <int N> __device__ __forceinline__ void bulk_wait_read() {
     asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
 }
