@@ -314,36 +314,6 @@ def test_cuda_backward_tile_orders_change_no_bit(table, ncp_seed, monkeypatch):
                     assert torch.equal(a_, b_), f"{name} (deterministic={det})"
 
 
-@pytest.mark.parametrize("table", [False, True])
-@pytest.mark.parametrize("d,window", [(128, 0), (64, 513), (128, 513)])
-def test_cuda_persistent_dq_kernel_gives_the_bits_of_any_grid(d, window, table, ncp_seed, monkeypatch):
-    """The deterministic Hopper backward's dQ kernel is persistent: a CTA takes items c, c + grid, ...
-    and loads the next item's Q and dO during the current one (two pairs of tiles, parity-tracked
-    barriers). Every grid size gives the same bits, also with 1 CTA (every item through one CTA,
-    both pairs reused many times) and with tables whose whole query tiles see nothing."""
-    if testing.kernels(deterministic=True)[1] != "sm90-deterministic":
-        pytest.skip("needs the Hopper backward (sm_90a build, compute capability 9.0)")
-    monkeypatch.setenv("NCP_DETERMINISTIC", "1")
-    g = torch.Generator().manual_seed(ncp_seed)
-    if table:
-        q, k, v, s, mask, _ = _table_case(g, 128 * 9 - 5, 1100, 8, 2, d, empty_tiles=(2, 3, 6), hint=window)
-    else:
-        c = make_attention_case(doc_lengths(2900, "random", mean=700, generator=g), 8, 2, d, device=DEV, generator=g)
-        q, k, v, s, mask = c["q"], c["k"], c["v"], c["sink"], AttnMask(cu_seqlens=c["cu_seqlens"], window=window)
-    out, lse = attn_forward(q, k, v, s, mask, 0.1)
-    dout = torch.randn(q.shape, generator=g).to(DEV, q.dtype)
-    runs = []
-    for grid in (0, 1, 3, HUGE_GRID):
-        with attn_debug(grid=grid):
-            runs.append(attn_backward(dout, q, k, v, s, out, lse, mask, 0.1))
-    for run in runs[1:]:
-        for name, a_, b_ in zip(("dq", "dk", "dv", "dsink"), runs[0], run):
-            assert torch.equal(a_, b_), name
-    with attn_debug(portable=True):  # and the portable (deterministic) kernels agree to rounding
-        want = attn_backward(dout, q, k, v, s, out, lse, mask, 0.1)
-    torch.testing.assert_close(runs[0][0].float(), want[0].float(), rtol=2e-2, atol=2e-2 * want[0].float().abs().max().item())
-
-
 @pytest.mark.parametrize("d,window", [(128, 0), (64, 513), (128, 100)])
 def test_cuda_atomic_dq_backward_matches_deterministic(d, window, ncp_seed, monkeypatch):
     """The default Hopper backward (dq from atomic reductions) against the deterministic one and the

@@ -7,9 +7,8 @@
  *
  * In the log2 domain with x = s log2(e) <q, k>:  P = 2^(x - lse log2(e)) on visible pairs,
  *   dS = P (dP - Delta),  dP = dO V^T,  dV = sum P^T dO,  dK = s sum dS^T Q,  dQ = s sum dS K.
- * dQ kernel: persistent (one CTA per SM), items = 128 query rows of one head (64 per consumer
- * warpgroup), Q and dO stationary in one of two pairs of tiles (the next item's load under this
- * item's work); it walks the kv tiles of 64 keys the rows see (as the forward), streaming K and V:
+ * dQ kernel: CTA = 128 query rows of one head (64 per consumer warpgroup), Q and dO stationary; it
+ * walks the kv tiles of 64 keys the rows see (as the forward), streaming K and V:
  * S = Q K^T, dP = dO V^T, then dQ += dS K.
  * Both grids take their tiles longest first (the pre-pass ranks them; launch.h).
  * Instantiations: dK/dV 2 modes x 2 dtypes x 2 head dims x 2 masks (documents, tables) x 2 (with
@@ -71,97 +70,89 @@ __global__ void __launch_bounds__(kThreads, 1)
                        const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
                        const ncp_sink_attn_bwd_params b, const bwd_workspace ws) {
 #ifdef NCP_SM90_DEVICE
-    using L = DqLayout<D>;
+    using L = Layout<D, QQB, QKB>;
     const ncp_sink_attn_params &p = b.f;
     extern __shared__ unsigned char smem_raw[];
     const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
+    const uint32_t sQ = base, sO = base + L::s1_off, sK0 = base + L::a_off, sV0 = base + L::b_off;
     const Bars bar{base + L::bar_off};
     const int tid = threadIdx.x, wg = tid / 128, lane = tid & 31;
-    const int n_qt = (p.Tq + QQB - 1) / QQB;
-    const DqItems items{p.Hq * n_qt, p.Hq, n_qt, ws.q.order};
-    if (tid == 0) bar.init(1, true);
+    const int qt = ws.q.order != nullptr ? __ldg(ws.q.order + blockIdx.y) : gridDim.y - 1 - blockIdx.y;
+    const int h = blockIdx.x, g_kv = h / (p.Hq / p.Hkv), q0 = qt * QQB; /* longest first (launch.h) */
+    if (tid == 0) bar.init(1);
     __syncthreads();
     const Mask mask(p);
+    const q_tile_range rng = q_range(mask, q0, QQB, QKB);
+    const int n_it = max(0, rng.kt_hi - rng.kt_lo + 1);
     if (wg == 0) {
         Split::producer();
-        if (tid == 0) produce_dq<D>(items, mask, bar, base, p.Hq / p.Hkv, &tm_q, &tm_do, &tm_k, &tm_v);
+        if (tid == 0) produce_dq<D>(rng, n_it, bar, sQ, sO, sK0, sV0, h, g_kv, q0, &tm_q, &tm_do, &tm_k, &tm_v);
         return;
     }
     Split::consumer();
     const int cw = sm90::warp_uniform(wg - 1), tq = lane & 3, row0 = 64 * cw + 16 * ((tid & 127) >> 5) + (lane >> 2);
-    const float scale_log2 = (float)p.scale * kLog2e;
-    int g = 0, k = 0; /* the ring's uses and the items so far, as the producer counts them */
-    for (int t = blockIdx.x; t < items.n_items; t += gridDim.x, ++k) {
-        const int h = items.head(t), q0 = items.qt(t) * QQB, pi = k & 1;
-        const uint32_t sQ = L::q(base, pi), sO = L::o(base, pi);
-        const q_tile_range rng = q_range(mask, q0, QQB, QKB);
-        const int n_it = max(0, rng.kt_hi - rng.kt_lo + 1);
-        int lo[2], hi[2];
-        float l2[2], dl[2];
+    int lo[2], hi[2];
+    float l2[2], dl[2];
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const int i = q0 + row0 + 8 * r;
-            row_bounds(mask, i, lo[r], hi[r]);
-            l2[r] = i < p.Tq ? __ldg(p.lse + (int64_t)h * p.Tq + i) * kLog2e : 0.f;
-            dl[r] = i < p.Tq ? __ldg(ws.delta + (int64_t)h * p.Tq + i) : 0.f;
-        }
-        /* SKIP (as in the dK/dV kernel): this warpgroup's 64 rows take the kv tiles [wr.kt_lo,
-         * wr.kt_hi] only and skip the others (their P and dS are zero), after the wait on their
-         * stage, so it never arrives on a stage's empty barrier for a later fill before the other
-         * warpgroup arrived for this one; without SKIP wr is the item's range. */
-        const int w0 = q0 + 64 * cw;
-        q_tile_range wr = rng;
-        if constexpr (SKIP) {
-            wr = q_tile_range{0, -1, 0, 0, 0};
-            if (w0 < p.Tq) wr = q_range(mask, w0, 64, QKB);
-        }
-        float dq[D / 2];
-#pragma unroll
-        for (int i = 0; i < D / 2; ++i) dq[i] = 0.f;
-        sm90::mbar_wait(bar.stat(pi), (uint32_t)((k / 2) & 1));
-        for (int it = 0; it < n_it; ++it, ++g) {
-            const int s = Ring::slot(g), kt = rng.kt_hi - it;
-            const uint32_t sK = base + L::a_off + s * L::tile_bytes, sV = base + L::b_off + s * L::tile_bytes;
-            sm90::mbar_wait(bar.a(s), Ring::full_phase(g));
-            if (SKIP && (kt < wr.kt_lo || kt > wr.kt_hi)) {
-                sm90::warp_arrive(bar.e(s));
-                continue;
-            }
-            const bool full = full_cols(wr, kt * QKB, QKB, p.Tk);
-            float sc[QKB / 2], dp[QKB / 2];
-            sm90::gemm_ss<T, QKB, D>(sc, sQ + cw * 64 * 128, QQB * 128, sK, QKB * 128);
-            sm90::mbar_wait(bar.b(s), Ring::full_phase(g));
-            sm90::gemm_ss<T, QKB, D>(dp, sO + cw * 64 * 128, QQB * 128, sV, QKB * 128);
-            sm90::wg_wait<0>();
-            sm90::fence_regs(sc, QKB / 2);
-            sm90::fence_regs(dp, QKB / 2);
-#pragma unroll
-            for (int j = 0; j < QKB / 8; ++j)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int r = e >> 1, kj = kt * QKB + 8 * j + 2 * tq + (e & 1);
-                    const bool vis = full || (kj >= lo[r] && kj <= hi[r]);
-                    const float pv = vis ? ex2(sc[4 * j + e] * scale_log2 - l2[r]) : 0.f;
-                    dp[4 * j + e] = pv * (dp[4 * j + e] - dl[r]);
-                }
-            uint32_t df[QKB / 16][4];
-            to_frags<T, QKB>(df, dp);
-            sm90::gemm_rs<T, D, QKB>(dq, df, sK, QKB * 128);
-            sm90::wg_wait<0>();
-            sm90::fence_regs(dq, D / 2);
-#pragma unroll
-            for (int kk = 0; kk < QKB / 16; ++kk)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(df[kk][e])::"memory");
-            sm90::warp_arrive(bar.e(s));
-        }
-        /* staged through this warpgroup's rows of sQ, then pair pi is free for item k + 2 (the
-         * staging's generic-proxy stores ordered before the producer's TMA into it) */
-        store_rows<T, D, QQB>(dq, (float)p.scale, sQ, 64 * cw, reinterpret_cast<T *>(b.dq) + (int64_t)h * b.dq_sh,
-                              b.dq_st, q0 + 64 * cw, p.Tq, cw);
-        sm90::fence_proxy_async_smem();
-        sm90::warp_arrive(bar.stat_empty(pi));
+    for (int r = 0; r < 2; ++r) {
+        const int i = q0 + row0 + 8 * r;
+        row_bounds(mask, i, lo[r], hi[r]);
+        l2[r] = i < p.Tq ? __ldg(p.lse + (int64_t)h * p.Tq + i) * kLog2e : 0.f;
+        dl[r] = i < p.Tq ? __ldg(ws.delta + (int64_t)h * p.Tq + i) : 0.f;
     }
+    /* SKIP (as in the dK/dV kernel): this warpgroup's 64 rows take the kv tiles [wr.kt_lo,
+     * wr.kt_hi] only and skip the others (their P and dS are zero), after the wait on their stage,
+     * so it never arrives on a stage's empty barrier for a later fill before the other warpgroup
+     * arrived for this one; without SKIP wr is the CTA's range. */
+    const int w0 = q0 + 64 * cw;
+    q_tile_range wr = rng;
+    if constexpr (SKIP) {
+        wr = q_tile_range{0, -1, 0, 0, 0};
+        if (w0 < p.Tq) wr = q_range(mask, w0, 64, QKB);
+    }
+    const float scale_log2 = (float)p.scale * kLog2e;
+    float dq[D / 2];
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) dq[i] = 0.f;
+    sm90::mbar_wait(bar.stat(), 0);
+    for (int it = 0; it < n_it; ++it) {
+        const int s = Ring::slot(it), kt = rng.kt_hi - it;
+        const uint32_t sK = sK0 + s * L::tile_bytes, sV = sV0 + s * L::tile_bytes;
+        sm90::mbar_wait(bar.a(s), Ring::full_phase(it));
+        if (SKIP && (kt < wr.kt_lo || kt > wr.kt_hi)) {
+            sm90::warp_arrive(bar.e(s));
+            continue;
+        }
+        const bool full = full_cols(wr, kt * QKB, QKB, p.Tk);
+        float sc[QKB / 2], dp[QKB / 2];
+        sm90::gemm_ss<T, QKB, D>(sc, sQ + cw * 64 * 128, QQB * 128, sK, QKB * 128);
+        sm90::mbar_wait(bar.b(s), Ring::full_phase(it));
+        sm90::gemm_ss<T, QKB, D>(dp, sO + cw * 64 * 128, QQB * 128, sV, QKB * 128);
+        sm90::wg_wait<0>();
+        sm90::fence_regs(sc, QKB / 2);
+        sm90::fence_regs(dp, QKB / 2);
+#pragma unroll
+        for (int j = 0; j < QKB / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int r = e >> 1, kj = kt * QKB + 8 * j + 2 * tq + (e & 1);
+                const bool vis = full || (kj >= lo[r] && kj <= hi[r]);
+                const float pv = vis ? ex2(sc[4 * j + e] * scale_log2 - l2[r]) : 0.f;
+                dp[4 * j + e] = pv * (dp[4 * j + e] - dl[r]);
+            }
+        uint32_t df[QKB / 16][4];
+        to_frags<T, QKB>(df, dp);
+        sm90::gemm_rs<T, D, QKB>(dq, df, sK, QKB * 128);
+        sm90::wg_wait<0>();
+        sm90::fence_regs(dq, D / 2);
+#pragma unroll
+        for (int kk = 0; kk < QKB / 16; ++kk)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(df[kk][e])::"memory");
+        sm90::warp_arrive(bar.e(s));
+    }
+    store_rows<T, D, QQB>(dq, (float)p.scale, sQ, 64 * cw, reinterpret_cast<T *>(b.dq) + (int64_t)h * b.dq_sh, b.dq_st,
+                          q0 + 64 * cw, p.Tq, cw);
 #else
     __trap(); /* never launched: the dispatcher picks this kernel only on sm_90a builds and devices */
 #endif
@@ -226,14 +217,11 @@ ncp_status launch_dq_t(const ncp_sink_attn_bwd_params &b, const bwd_workspace &w
     NCP_TRY(ncp_sm90_tensor_map(&tdo, b.dout, p.Tq, p.Hq, D, b.do_st, b.do_sh, QQB));
     NCP_TRY(ncp_sm90_tensor_map(&tk, p.k, p.Tk, p.Hkv, D, p.k_st, p.k_sh, QKB));
     NCP_TRY(ncp_sm90_tensor_map(&tv, p.v, p.Tk, p.Hkv, D, p.v_st, p.v_sh, QKB));
-    constexpr int bytes = DqLayout<D>::bytes;
+    NCP_ARG_CHECK(((int64_t)p.Tq + QQB - 1) / QQB <= 65535, "too many query tiles for one launch (Tq=%d)", p.Tq);
+    constexpr int bytes = Layout<D, QQB, QKB>::bytes;
     auto kernel = bwd_dq_sm90_kernel<T, D, Mask, SKIP>;
     NCP_TRY((sm90::kernel_setup<ic_dq<T, D, Mask, SKIP>, Split>(kernel, bytes, cfg.device)));
-    const int64_t items = (int64_t)p.Hq * ((p.Tq + QQB - 1) / QQB);
-    NCP_CHECK(items <= INT32_MAX / 2, NCP_ERR_INVALID_ARG, "too many dQ work items (Hq=%d, Tq=%d)", p.Hq, p.Tq);
-    const int64_t cap = cfg.grid > 0 ? cfg.grid : cfg.sm_count; /* persistent: one CTA per SM by default */
-    const int64_t grid = cap > 0 && items > cap ? cap : items;
-    kernel<<<(unsigned)grid, kThreads, bytes, stream>>>(tq, tdo, tk, tv, b, ws);
+    kernel<<<dim3(p.Hq, (p.Tq + QQB - 1) / QQB), kThreads, bytes, stream>>>(tq, tdo, tk, tv, b, ws);
     NCP_CUDA_CHECK(cudaGetLastError());
     return NCP_OK;
 }

@@ -4,8 +4,7 @@
  * dK/dV kernel's mask pass, and the epilogue that stores a warpgroup's accumulator tile.
  *
  * Both kernels keep two tiles stationary in shared memory (dK/dV: K and V of 128 keys; dQ: Q and
- * dO of 128 rows, in two pairs: the dQ kernel is persistent and loads its next item's pair during
- * the current item) and stream tiles of 64 rows through a 3-stage ring (dK/dV: Q and dO; dQ: K and V):
+ * dO of 128 rows) and stream tiles of 64 rows through a 3-stage ring (dK/dV: Q and dO; dQ: K and V):
  * one producer thread issues TMA, and in the dK/dV kernel warp 1 of the producer warpgroup writes
  * lse * log2(e) and Delta of each streamed q tile into shared memory (the stage's "a" barrier
  * counts both arrivals).
@@ -56,57 +55,21 @@ template <int D, int SR, int TR, bool DS = false> struct Layout {
     static_assert(bytes <= 232448, "backward tiles exceed the shared memory of an sm_90 block");
 };
 
-/* The persistent dQ kernel: two pairs of stationary tiles (Q, dO of QQB rows; the pair of item k
- * is k & 1, so the next item's loads run during this item's kv tiles), then the K/V ring. */
-template <int D> struct DqLayout {
-    static constexpr int stat_bytes = QQB * D * 2;
-    static constexpr int tile_bytes = QKB * D * 2;
-    static constexpr int a_off = 4 * stat_bytes;
-    static constexpr int b_off = a_off + kStages * tile_bytes;
-    static constexpr int bar_off = b_off + kStages * tile_bytes;
-    static constexpr int bytes = bar_off + 128 + 1024;
-    static_assert(bytes <= 232448, "dQ tiles exceed the shared memory of an sm_90 block");
-    static __device__ __forceinline__ uint32_t q(uint32_t base, int i) { return base + 2u * i * stat_bytes; }
-    static __device__ __forceinline__ uint32_t o(uint32_t base, int i) { return base + (2u * i + 1u) * stat_bytes; }
-};
-
-/* The items of the persistent dQ kernel: t = (position y in the q-tile order, head h), heads
- * fastest, CTA c taking t = c, c + grid, ... (the order of a one-CTA-per-item grid's dispatch). */
-struct DqItems {
-    int n_items, Hq, n_qt;
-    const int32_t *order;
-    __device__ __forceinline__ int head(int t) const { return t % Hq; }
-    __device__ __forceinline__ int qt(int t) const {
-        const int y = t / Hq;
-        return order != nullptr ? __ldg(order + y) : n_qt - 1 - y; /* longest first (launch.h) */
-    }
-};
-
 #ifdef NCP_SM90_DEVICE
 /* stat_full, then per stage a_full (stream tile a, plus lse/Delta in the dK/dV kernel), b_full
- * (stream tile b) and empty (one arrival per consumer warp); the persistent dQ kernel adds the
- * full barrier of its second pair of stationary tiles (stat(1); stat(0) is stat()) and the empty
- * barriers of both pairs (one arrival per consumer warp once its rows are stored). */
+ * (stream tile b) and empty (one arrival per consumer warp). */
 struct Bars {
     uint32_t base;
     __device__ __forceinline__ uint32_t stat() const { return base; }
     __device__ __forceinline__ uint32_t a(int s) const { return base + 8u * (1 + s); }
     __device__ __forceinline__ uint32_t b(int s) const { return base + 8u * (1 + kStages + s); }
     __device__ __forceinline__ uint32_t e(int s) const { return base + 8u * (1 + 2 * kStages + s); }
-    __device__ __forceinline__ uint32_t stat(int i) const { return i == 0 ? base : base + 8u * (1 + 3 * kStages); }
-    __device__ __forceinline__ uint32_t stat_empty(int i) const { return base + 8u * (2 + 3 * kStages + i); }
-    __device__ __forceinline__ void init(int a_arrivals, bool two_stat = false) const {
-        static_assert(8 * (4 + 3 * kStages) <= 128, "the barrier block is 128 bytes (Layout::vec_off)");
+    __device__ __forceinline__ void init(int a_arrivals) const {
         sm90::mbar_init(stat(), 1);
         for (int s = 0; s < kStages; ++s) {
             sm90::mbar_init(a(s), a_arrivals);
             sm90::mbar_init(b(s), 1);
             sm90::mbar_init(e(s), 8);
-        }
-        if (two_stat) {
-            sm90::mbar_init(stat(1), 1);
-            sm90::mbar_init(stat_empty(0), 8);
-            sm90::mbar_init(stat_empty(1), 8);
         }
         sm90::mbar_fence_init();
     }
@@ -171,30 +134,21 @@ __device__ __forceinline__ void produce_dkdv(const KvItems &w, const Bars &bar, 
     }
 }
 
-/* dQ producer (thread 0), over the CTA's items: Q and dO of item k into pair k & 1 once the
- * consumers stored item k - 2's rows, then K and V of every kv tile its rows see, through the
- * ring (g counts the ring's uses across items). */
-template <int D, class Mask>
-__device__ __forceinline__ void produce_dq(const DqItems &items, const Mask &mask, const Bars &bar, uint32_t base,
-                                           int group, const CUtensorMap *tm_q, const CUtensorMap *tm_do,
-                                           const CUtensorMap *tm_k, const CUtensorMap *tm_v) {
-    using L = DqLayout<D>;
-    int g = 0, k = 0;
-    for (int t = blockIdx.x; t < items.n_items; t += gridDim.x, ++k) {
-        const int h = items.head(t), q0 = items.qt(t) * QQB, g_kv = h / group, i = k & 1;
-        if (k >= 2) sm90::mbar_wait(bar.stat_empty(i), (uint32_t)((k / 2 - 1) & 1));
-        sm90::mbar_expect_tx(bar.stat(i), 2 * L::stat_bytes);
-        sm90::tma_load_tile_pair<D>(L::q(base, i), tm_q, L::o(base, i), tm_do, QQB, h, q0, bar.stat(i));
-        const q_tile_range rng = q_range(mask, q0, QQB, QKB);
-        const int n_it = max(0, rng.kt_hi - rng.kt_lo + 1);
-        for (int it = 0; it < n_it; ++it, ++g) {
-            const int s = Ring::slot(g), kt = rng.kt_hi - it;
-            if (g >= kStages) sm90::mbar_wait(bar.e(s), Ring::empty_phase(g));
-            sm90::mbar_expect_tx(bar.a(s), L::tile_bytes);
-            sm90::tma_load_tile<D>(base + L::a_off + s * L::tile_bytes, tm_k, QKB, g_kv, kt * QKB, bar.a(s));
-            sm90::mbar_expect_tx(bar.b(s), L::tile_bytes);
-            sm90::tma_load_tile<D>(base + L::b_off + s * L::tile_bytes, tm_v, QKB, g_kv, kt * QKB, bar.b(s));
-        }
+/* dQ producer (thread 0): Q and dO once, then K and V of every kv tile the rows see. */
+template <int D>
+__device__ __forceinline__ void produce_dq(const q_tile_range &rng, int n_it, const Bars &bar, uint32_t sQ, uint32_t sO,
+                                           uint32_t sK0, uint32_t sV0, int h, int g_kv, int q0, const CUtensorMap *tm_q,
+                                           const CUtensorMap *tm_do, const CUtensorMap *tm_k, const CUtensorMap *tm_v) {
+    using L = Layout<D, QQB, QKB>;
+    sm90::mbar_expect_tx(bar.stat(), 2 * L::stat_bytes);
+    sm90::tma_load_tile_pair<D>(sQ, tm_q, sO, tm_do, QQB, h, q0, bar.stat());
+    for (int it = 0; it < n_it; ++it) {
+        const int s = Ring::slot(it), kt = rng.kt_hi - it;
+        if (it >= kStages) sm90::mbar_wait(bar.e(s), Ring::empty_phase(it));
+        sm90::mbar_expect_tx(bar.a(s), L::tile_bytes);
+        sm90::tma_load_tile<D>(sK0 + s * L::tile_bytes, tm_k, QKB, g_kv, kt * QKB, bar.a(s));
+        sm90::mbar_expect_tx(bar.b(s), L::tile_bytes);
+        sm90::tma_load_tile<D>(sV0 + s * L::tile_bytes, tm_v, QKB, g_kv, kt * QKB, bar.b(s));
     }
 }
 
