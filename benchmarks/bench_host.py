@@ -8,7 +8,8 @@ it. Median over repetitions. Rows: ``ncp.sink_attention`` forward (no grad) and 
 SDPA's forward and backward; the native calls alone (``attn_forward`` / ``attn_backward``, no
 autograd: the op's own host cost) and a no-op autograd node over the same four leaves (the
 engine's cost around any op: the floor of an autograd backward on this host); the sync count of
-each call (``torch.cuda.set_sync_debug_mode``).
+each call (``torch.cuda.set_sync_debug_mode``); and the op captured in CUDA graphs, a forward graph and
+a forward+backward graph, each replay timed as a call (no autograd engine at replay).
 
 Two methods, both on the host clock behind a queued spin:
 - **one call**: one call per spin, then a device sync: the host starts each call from idle (cold
@@ -97,6 +98,33 @@ def graph_row(op: str, fwd, graph, dout, n: int) -> dict:
             "fwd_syncs": count_syncs(fwd), "bwd_syncs": count_syncs(bwd)}  # fmt: skip
 
 
+def graph_row_replay(q, k, v, s, cu, window: int, n: int) -> dict:
+    """The same op captured in CUDA graphs (README "CUDA graphs"): a forward-only graph and a
+    forward+backward graph (grads into the leaves' .grad), each replay timed like a call. The
+    backward column holds the forward+backward replay: the whole step's attention for one
+    cudaGraphLaunch, with no autograd engine at replay."""
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, s)]
+    dout = torch.randn_like(q)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capture, as torch asks
+        for _ in range(2):
+            ncp.sink_attention(*leaves, cu, window=window).backward(dout)
+    torch.cuda.current_stream().wait_stream(side)
+    for t in leaves:
+        t.grad = None
+    fwd_graph, step_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(fwd_graph):
+        ncp.sink_attention(*(t.detach() for t in leaves), cu, window=window)
+    with torch.cuda.graph(step_graph):
+        ncp.sink_attention(*leaves, cu, window=window).backward(dout)
+    return {"op": f"sink_attention w{window}, CUDA graph replay: forward / forward+backward",
+            "fwd_host_us": round(host_us(fwd_graph.replay), 1), "bwd_host_us": round(host_us(step_graph.replay), 1),
+            "fwd_host_us_stream": round(host_us_stream(fwd_graph.replay, n), 1),
+            "bwd_host_us_stream": round(host_us_stream(step_graph.replay, n), 1),
+            "fwd_syncs": count_syncs(fwd_graph.replay), "bwd_syncs": count_syncs(step_graph.replay)}  # fmt: skip
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json")
@@ -148,6 +176,7 @@ def main(argv=None) -> int:
                  "bwd_host_us_stream": round(host_us_stream(native_bwd, n, reps=5), 1),
                  "fwd_syncs": count_syncs(native_fwd), "bwd_syncs": count_syncs(native_bwd)})  # fmt: skip
 
+    rows.append(graph_row_replay(q, k, v, s, cu, 513, n))
     noop = lambda: _NoOp.apply(q, k, v, s)  # noqa: E731
     rows.append(graph_row("autograd floor: no-op node, same leaves", noop, noop, dout, n))
     print_table(rows, list(rows[0]))

@@ -222,6 +222,9 @@ def check_cu_seqlens(cu_seqlens: Tensor, total: int) -> None:
     cu = cu_seqlens.detach()
     if cu.device.type == "meta":
         raise ValueError("cu_seqlens is a meta tensor; sink_attention needs real data")
+    if cu.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise ValueError("validate=True copies cu_seqlens to the host, which CUDA-graph capture forbids; check the "
+                         "table before the capture (check_cu_seqlens) and capture with validate=None or False")
     cu = cu.cpu() if cu.device.type != "cpu" else cu
     if cu.dtype != torch.int32 or cu.ndim != 1:
         raise ValueError(f"cu_seqlens must be a 1-D int32 tensor; got {cu.ndim}-D {cu.dtype}")
