@@ -410,8 +410,13 @@ def render_ab(paths: list[str]) -> str:
 
 
 def render_host(paths: list[str]) -> str:
-    """benchmarks/bench_host.py: host time per call with the GPU kept busy."""
-    data = _read(paths[-1])
+    """benchmarks/bench_host.py: host time per call with the GPU kept busy; one table per file
+    (each run's host, named in its source line)."""
+    return "\n\n".join(_render_host_one(p) for p in paths)
+
+
+def _render_host_one(path: str) -> str:
+    data = _read(path)
     stream = "method_stream" in data
     head = "| op | forward host µs | backward host µs |" + (" stream: forward / backward µs |" if stream else "")
     out = [f"one call: {data['method']}" + (f"; stream: {data['method_stream']}" if stream else "") + ":", "",
@@ -422,7 +427,7 @@ def render_host(paths: list[str]) -> str:
             cells.append(f"{r['fwd_host_us_stream']} / {r['bwd_host_us_stream']}")
         cells.append(f"{r['fwd_syncs']} / {r['bwd_syncs'] if r['bwd_syncs'] is not None else '–'}")
         out.append("| " + " | ".join(str(c) for c in cells) + " |")
-    out += ["", source_line(paths[-1], data["env"], True)]
+    out += ["", source_line(path, data["env"], True)]
     return "\n".join(out)
 
 
