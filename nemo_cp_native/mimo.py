@@ -18,8 +18,9 @@ Every output lives in one flat buffer allocated here (carving cached per shape),
 ``cu_seqlens*`` / ``max_seqlen`` in a host int32 block when the tokens are on a GPU and ``seq_lens*``
 on the host. The returned tensors are views of these, made only for the outputs the call returns
 (the host cost of a call is mostly the making of tensor objects): with one chunk, one
-``split_with_sizes`` of the int64 buffer, whose mask words are viewed as bool and split again and
-whose layout block is viewed as int32 (``cu_seqlens`` a slice of it, ``max_seqlen`` an element);
+``unsafe_split_with_sizes`` of the int64 buffer (pieces sharing its storage without autograd view
+tracking, which integer and bool tensors never use: 0.2 us less per piece than ``split_with_sizes``),
+whose mask words are viewed as bool and split again and whose layout block is viewed as int32 (``cu_seqlens`` a slice of it, ``max_seqlen`` an element);
 ``as_strided`` otherwise. Tensors cross to C as ``torch.utils.dlpack.to_dlpack`` capsules, and C
 checks their dtypes (Python only those of ``seq_lens*`` it copies off a GPU).
 
@@ -146,8 +147,8 @@ class _Plan:
         specs = [("local", 0, *tok, local), ("ids", 0, *tok, ids), ("labels", 0, *tok, lab), ("pos", 0, *tok, pos),
                  ("pad", 1, *tok, pad), ("image", 1, *mask, img), ("video", 1, *mask, vid)]  # fmt: skip
         self.views = tuple(spec for spec in specs if spec[-1] >= 0)
-        # One chunk: every view is 1-D and contiguous, so all of them come from split_with_sizes (one
-        # op for several tensors: half the host cost of as many as_strided calls; sizes as tuples, which
+        # One chunk: every view is 1-D and contiguous, so all of them come from unsafe_split_with_sizes
+        # (one op for several tensors: half the host cost of as many as_strided calls; sizes as tuples, which
         # torch parses faster than lists). The int64 split ends with the words of the masks ("_bools",
         # viewed as bool and split again unless it is one mask filling them: cutb None) and the layout
         # block ("_lay", viewed as int32 for cu_seqlens / max_seqlen).
@@ -231,13 +232,13 @@ def _run(input_ids, labels, pos, sl, slp, C, W, rank, image_id, video_id, output
     )  # fmt: skip
     # out and host are fresh (storage offset 0), so plan offsets are storage offsets
     if C == 1:
-        views = dict(zip(plan.names64, out.split_with_sizes(plan.cut64)))
+        views = dict(zip(plan.names64, out.unsafe_split_with_sizes(plan.cut64)))
         if plan.namesb:
             bools = views["_bools"].view(torch.bool)
             if plan.cutb is None:  # one mask filling its words: the bool view is the mask itself
                 views[plan.namesb[0]] = bools
             else:
-                views.update(zip(plan.namesb, bools.split_with_sizes(plan.cutb)))
+                views.update(zip(plan.namesb, bools.unsafe_split_with_sizes(plan.cutb)))
     else:
         views, as_bool = {}, out.view(torch.bool) if outputs & (_OUT_PAD | _OUT_IMAGE | _OUT_VIDEO) else None
         for name, is_bool, size, stride, offset in plan.views:

@@ -326,6 +326,44 @@ def test_one_call_writes_every_output_and_nothing_else(cp, C, device, meta, ncp_
         assert torch.equal(view.cpu(), w.reshape(view.shape).to(view.dtype)), name
 
 
+@pytest.mark.parametrize("device,meta", [("cpu", "cpu"), pytest.param("cuda", "cpu", marks=pytest.mark.cuda)],
+                         ids=["cpu", "cuda_meta_cpu"])  # fmt: skip
+@pytest.mark.parametrize("cp,C", [(1, 1), (1, 2), (2, 1), (8, 1), (4, 4)])
+def test_outputs_are_disjoint(cp, C, device, meta, ncp_seed):
+    """The outputs of one call are pieces of one buffer (``unsafe_split_with_sizes``: no autograd view
+    tracking) or views of the caller's tensors: an in-place write into any one of them changes no
+    other output and no input, and every output stays equal to the oracle's until written."""
+    g = gen(ncp_seed)
+    batch, _, _ = draw_case(g, B=4, C=C, cp=cp, S=2 * cp * 3, image_token_id=IMG, video_token_id=VID)
+    batch = {k: v.to(meta if k in META else device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    mesh = FakeCPMesh(cp, int(torch.randint(0, cp, (), generator=g))) if cp > 1 else None
+    with fake_dist(mesh):
+        _, out, layout = nat.shard_batch_for_mimo_te(mesh, None, dict(batch), num_chunks=C, image_token_id=IMG,
+                                                     video_token_id=VID)  # fmt: skip
+        assert nat.fast_path_info()["path"] == "native"
+        _, want, _ = ref.shard_batch_for_mimo_te(mesh, None, _to(batch, "cpu"), num_chunks=C, image_token_id=IMG,
+                                                 video_token_id=VID)  # fmt: skip
+    inputs = {v.untyped_storage().data_ptr() for v in batch.values() if isinstance(v, torch.Tensor) and v.numel()}
+    made = {k: v for k, v in out.items()  # views of the caller's tensors (as the reference's reshape makes) left out
+            if isinstance(v, torch.Tensor) and v.numel() and v.untyped_storage().data_ptr() not in inputs}
+    assert {"cu_seqlens", "padding_mask", "_mimo_thd_local_indices", "_mimo_global_image_mask"} <= set(made)
+    if layout is not None:
+        assert layout.local_token_global_indices is out["_mimo_thd_local_indices"]
+    snap = {k: v.clone() for k, v in batch.items() if isinstance(v, torch.Tensor)}
+    for key in made:
+        before = {k: v.clone() for k, v in made.items()}
+        t = made[key]
+        t.logical_not_() if t.dtype == torch.bool else t.add_(1)
+        for other, v in made.items():
+            if other != key:
+                assert torch.equal(v, before[other]), f"writing {key} changed {other}"
+        for k, v in snap.items():
+            assert torch.equal(batch[k], v), f"writing {key} changed the input {k}"
+        t.logical_not_() if t.dtype == torch.bool else t.sub_(1)
+    for key, v in made.items():
+        assert torch.equal(v.cpu(), want[key].to(v.dtype)), key
+
+
 # =============================================================================================
 # 4. CUDA
 # =============================================================================================
