@@ -54,6 +54,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--seq", type=int, help="tokens per row (default 32768 on cuda, 256 on cpu)")
+    ap.add_argument("--labels", nargs=2, metavar=("A", "B"), help="names of the two trees in the JSON (default: the paths)")
     ap.add_argument("--json")
     args = ap.parse_args()
     cuda = args.device == "cuda"
@@ -125,7 +126,8 @@ def main() -> int:
                       "median of rounds (round robin A/B)") if cuda else (
                       "CPU tokens: wall: one call, median of reps; host: mean per call over blocks of 200 calls, "
                       "median of blocks; median of rounds (round robin A/B)")  # fmt: skip
-            json.dump({"env": env_record(), "a": args.a, "b": args.b, "method": method, "rows": rows}, f, indent=1)
+            a_name, b_name = args.labels or (args.a, args.b)
+            json.dump({"env": env_record(), "a": a_name, "b": b_name, "method": method, "rows": rows}, f, indent=1)
     return 0
 
 

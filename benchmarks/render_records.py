@@ -457,8 +457,10 @@ def render_order(paths: list[str]) -> str:
 def render_ab_mimo(paths: list[str]) -> str:
     """benchmarks/ab_mimo.py: two builds of the MiMo sharder round robin in one process."""
     data = _read(paths[-1])
-    out = [f"A = `{data['a']}`, B = `{data['b']}`; {data['method']}. B = 8 rows of S = 32768 tokens, cp = 8, "
-           "rank 3, `seq_lens*` on the host; in parentheses the ratio to the reference path with the native TE "
+    r0 = data["rows"][0]
+    where = "CPU tokens" if r0.get("device") == "cpu" else "`seq_lens*` on the host"
+    out = [f"A = `{data['a']}`, B = `{data['b']}`; {data['method']}. B = 8 rows of S = {r0.get('seq', 32768)} tokens, "
+           f"cp = 8, rank 3, {where}; in parentheses the ratio to the reference path with the native TE "
            "partition (`ref(fastTE)`, timed in the same process):", "",
            "| chunks | ref(fastTE) µs | A: wall µs | A: host µs | B: wall µs | B: host µs | B / A wall |",
            "|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
