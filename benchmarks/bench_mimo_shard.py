@@ -107,8 +107,10 @@ def _cpu(obj):
     return obj
 
 
-def _pass_fn(batch, C, cp, rank):
-    """The one native C call alone, on arguments prepared once (its outputs are overwritten)."""
+def _pass_fn(batch, C, cp, rank, host_block=True):
+    """The one native C call alone, on arguments prepared once (its outputs are overwritten).
+    ``host_block=False`` (CUDA tokens): the layout block goes to the GPU through a staging copy, as
+    when ``seq_lens*`` live on the GPU."""
     from torch.utils.dlpack import to_dlpack
 
     ids, labels, pos = batch["input_ids"], batch["labels"], batch["position_ids"]
@@ -116,7 +118,7 @@ def _pass_fn(batch, C, cp, rank):
     outputs = nat._OUT_TOKENS | nat._OUT_POS | nat._OUT_PAD | nat._OUT_IMAGE | nat._OUT_VIDEO
     plan = nat._plan((ids.shape[0], ids.shape[1], sl.shape[1], slp.shape[1], C, cp, outputs))
     out = torch.empty(plan.out_words, dtype=torch.int64, device=ids.device)
-    host = torch.empty(plan.lay_words, dtype=torch.int64) if ids.is_cuda else None
+    host = torch.empty(plan.lay_words, dtype=torch.int64) if ids.is_cuda and host_block else None
     names = ("input_ids", "labels", "position_ids", "seq_lens", "seq_lens_padded", "out")
     args = {n: to_dlpack(t) for n, t in zip(names, (ids, labels, pos, sl, slp, out))}
     args.update(host=None if host is None else to_dlpack(host), num_chunks=C, cp_size=cp, cp_rank=rank,

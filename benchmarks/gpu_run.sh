@@ -176,6 +176,8 @@ fi
 if [[ " $STAGES " == *" profmimo "* ]]; then  # only when named: where the MiMo call's wall time goes
   $PY benchmarks/profile_mimo.py >> "$SUM" 2>&1
   note "profile_mimo exit $?"
+  $PY benchmarks/profile_mimo.py --meta gpu >> "$SUM" 2>&1
+  note "profile_mimo --meta gpu exit $?"
 fi
 
 if want flint; then

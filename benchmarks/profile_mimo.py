@@ -8,9 +8,13 @@ This splits that figure, B = 8 rows of S = 32768 tokens, cp = 8, rank 3, ``seq_l
 - the one ``_C.mimo_run`` alone on prepared arguments: host time behind a spin, and wall with sync;
 - pieces of the Python around it (``torch.empty`` of the output buffer, DLPack capsules).
 
+``--meta gpu`` leaves ``seq_lens*`` on the GPU (the batch as a training loop that moves every
+tensor to the device hands it over; the bench's first column): the call then copies them to the host
+(its one sync) and stages the kernel table, and the steps add ``_host_metadata``.
+
 A profiling tool, not a benchmark of record.
 
-    python benchmarks/profile_mimo.py [--chunks 1]
+    python benchmarks/profile_mimo.py [--chunks 1] [--meta gpu]
 """
 
 from __future__ import annotations
@@ -60,7 +64,8 @@ def steps(call, reps=100):
         def __getattr__(self, name):
             return getattr(real_c, name)
 
-    real_c, saved = nat._C, {n: getattr(nat, n) for n in ("_run", "_sharded_view", "_resolve_rank", "_fallback_reason")}
+    real_c, saved = nat._C, {n: getattr(nat, n) for n in ("_run", "_sharded_view", "_resolve_rank", "_fallback_reason",
+                                                          "_host_metadata")}  # fmt: skip
     real_layout = _compat.ShardLayout
     proxy = CProxy()
     proxy.mimo_run = timed("_C.mimo_run", real_c.mimo_run)
@@ -83,7 +88,9 @@ def steps(call, reps=100):
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--chunks", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--meta", choices=("cpu", "gpu"), default="cpu", help="where seq_lens* live (default: cpu)")
     args = ap.parse_args()
+    print(f"seq_lens* on the {args.meta.upper()}")
     empty = torch.empty(1, device="cuda")
     print(f"floor: torch.cuda.synchronize() idle {wall_us(lambda: None)} us; "
           f"empty_like launch + sync {wall_us(lambda: empty.zero_())} us")  # fmt: skip
@@ -91,13 +98,14 @@ def main() -> int:
         g = torch.Generator().manual_seed(0)
         batch = make_mimo_batch(8, 32768, num_chunks=C, cp_size=8, docs_per_row=(16, 64), image_token_id=IMG,
                                 video_token_id=VID, generator=g, device="cuda")  # fmt: skip
-        batch = {k: v.cpu() if k in ("seq_lens", "seq_lens_padded") else v for k, v in batch.items()}
+        if args.meta == "cpu":
+            batch = {k: v.cpu() if k in ("seq_lens", "seq_lens_padded") else v for k, v in batch.items()}
         with fake_mesh(8, 3) as mesh:
             def call():
                 return nat.shard_batch_for_mimo_te(mesh, None, dict(batch), num_chunks=C, image_token_id=IMG,
                                                    video_token_id=VID)  # fmt: skip
 
-            run = _pass_fn(batch, C, 8, 3)
+            run = _pass_fn(batch, C, 8, 3, host_block=args.meta == "cpu")
             ids = batch["input_ids"]
             rows = {
                 "call: wall with sync": wall_us(call),
