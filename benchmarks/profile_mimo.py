@@ -44,9 +44,10 @@ def host_us(fn, reps=100):
     return round(host_spin_us(fn, reps, spin=2_000_000, warmup=5), 1)
 
 
-def steps(call, reps=100):
-    """Host microseconds of the steps of one call (medians behind a queued GPU spin): the module's
-    helpers and the C call, timed by wrappers swapped in for this measurement only."""
+def steps(call, reps=100, spin=True):
+    """Host microseconds of the steps of one call (medians behind a queued GPU spin; ``spin=False``:
+    from an idle GPU, a sync after each call, for calls that sync themselves): the module's helpers
+    and the C call, timed by wrappers swapped in for this measurement only."""
     from nemo_cp_native import _compat
 
     acc = {}
@@ -74,14 +75,14 @@ def steps(call, reps=100):
         for n, fn in saved.items():
             setattr(nat, n, timed(n, fn))
         _compat.ShardLayout = timed("ShardLayout(...)", real_layout)
-        total = host_us(timed("whole call", call), reps)
+        total = (host_us if spin else wall_us)(timed("whole call", call), reps)
     finally:
         nat._C = real_c
         for n, fn in saved.items():
             setattr(nat, n, fn)
         _compat.ShardLayout = real_layout
     out = {name: round(statistics.median(v[-reps:]), 1) for name, v in acc.items()}
-    out["whole call (median of host_us)"] = total
+    out["whole call (median of host_us)" if spin else "whole call (median of wall_us)"] = total
     return out
 
 
@@ -111,7 +112,8 @@ def main() -> int:
                 "call: wall with sync": wall_us(call),
                 "call: wall with sync, after a 50 ms GPU spin": wall_us(call, warm_gpu=True),
                 "call: wall with sync, again": wall_us(call),
-                "call: host behind spin": host_us(call),
+                # a call that syncs (seq_lens* on the GPU) would wait for the spin: timed from idle instead
+                "call: host behind spin": host_us(call) if args.meta == "cpu" else float("nan"),
                 "_C.mimo_run alone: wall with sync": wall_us(run),
                 "_C.mimo_run alone: wall with sync, after a 50 ms GPU spin": wall_us(run, warm_gpu=True),
                 "_C.mimo_run alone: host behind spin": host_us(run),
@@ -120,7 +122,7 @@ def main() -> int:
             }
             for name, us in rows.items():
                 print(f"C={C} {name:58s} {us:8.1f} us")
-            for name, us in steps(call).items():
+            for name, us in steps(call, spin=args.meta == "cpu").items():
                 print(f"C={C} step {name:53s} {us:8.1f} us")
     return 0
 
