@@ -10,10 +10,11 @@
 #   OUT=/tmp/out NCP_COMMIT=<sha> bash benchmarks/gpu_run.sh [stage ...]
 # Set NCP_COMMIT from the machine that holds the repository: the device tool's copy of .git can be
 # stale, so `git rev-parse` run there may name an older commit than the tree it copied.
-# stages: build baseline test sanitize probe profile srcprof kernels attn ab abmimo abhint order latency host mimo profmimo flint demo all (default: all; order:
+# stages: build baseline test sanitize probe profile srcprof kernels attn ab abmimo abhost abhint order latency host mimo profmimo flint demo all (default: all; order:
 # bench_bwd_order.py, atomic and deterministic, ORDER_ARGS; probe: the
 # racecheck mbarrier probe, profile: Nsight Compute on named kernels, PROF_RUNS, PROF_ENV; profmimo:
-# benchmarks/profile_mimo.py; latency: benchmarks/probe_latency.py, LATENCY_ARGS; abmimo: benchmarks/ab_mimo.py (.baseline against this tree); abhint:
+# benchmarks/profile_mimo.py; latency: benchmarks/probe_latency.py, LATENCY_ARGS; abmimo: benchmarks/ab_mimo.py (.baseline against this tree); abhost:
+# benchmarks/ab_host.py (the attention calls' host path, .baseline against this tree); abhint:
 # benchmarks/ab_table_hint.py;
 # neither is part of all; baseline builds the tree in .baseline/ (carry it: an older commit's source,
 # e.g. `git archive c355efb csrc nemo_cp_native setup.py pyproject.toml | tar -x -C .baseline`) beside
@@ -144,6 +145,11 @@ fi
 if [[ " $STAGES " == *" abmimo "* ]]; then  # only when named: the MiMo sharder, .baseline against this tree
   timeout ${AB_TIMEOUT:-500} $PY benchmarks/ab_mimo.py --a .baseline --b . --json "$OUT/ab_mimo.json" >> "$SUM" 2>&1
   note "ab_mimo (A = .baseline, B = this tree) exit $?"
+fi
+
+if [[ " $STAGES " == *" abhost "* ]]; then  # only when named: the attention calls' host path, .baseline against this tree
+  timeout ${AB_TIMEOUT:-500} $PY benchmarks/ab_host.py --a .baseline --b . --json "$OUT/ab_host.json" >> "$SUM" 2>&1
+  note "ab_host (A = .baseline, B = this tree) exit $?"
 fi
 
 if [[ " $STAGES " == *" abhint "* ]]; then  # only when named: Flint CP tables with and without the window hint

@@ -12,7 +12,7 @@ kinds: ``attn`` (every case: ours against FlexAttention+sink and SDPA), ``attn-e
 rows: no sink, deterministic backward, A/B variants), ``mimo`` (one or more runs of
 bench_mimo_shard.py), ``flint`` (one or more runs of bench_flint.py), ``host`` (bench_host.py),
 ``order`` (bench_bwd_order.py), ``ab`` (ab_attention.py), ``ab-mimo`` (ab_mimo.py), ``ab-hint``
-(ab_table_hint.py), ``tried`` (the losers, from the files that record them).
+(ab_table_hint.py), ``ab-host`` (ab_host.py), ``tried`` (the losers, from the files that record them).
 
     # after a GPU run of benchmarks/gpu_run.sh: copy its JSON into benchmarks/results/ and re-render
     python benchmarks/render_records.py --import $OUT [--prune]
@@ -472,6 +472,17 @@ def render_ab_mimo(paths: list[str]) -> str:
     return "\n".join(out)
 
 
+def render_ab_host(paths: list[str]) -> str:
+    """benchmarks/ab_host.py: the attention entry points' host path in two trees, round robin."""
+    data = _read(paths[-1])
+    out = [f"A = `{data['a']}`, B = `{data['b']}`; {data['method']}:", "",
+           "| call | A µs | B µs | B / A |", "|---|---:|---:|---:|"]  # fmt: skip
+    for r in data["rows"]:
+        out.append(f"| {r['call']} | {r['a_us']} | {r['b_us']} | {r['b_over_a']} |")
+    out += ["", source_line(paths[-1], data["env"], True)]
+    return "\n".join(out)
+
+
 def render_ab_hint(paths: list[str]) -> str:
     """benchmarks/ab_table_hint.py: every rank's backward kernels with and without the window hint."""
     data = _read(paths[-1])
@@ -485,7 +496,8 @@ def render_ab_hint(paths: list[str]) -> str:
 
 
 RENDER = {"attn": render_attn, "attn-extra": render_attn_extra, "mimo": render_mimo, "flint": render_flint, "ab": render_ab, "host": render_host,
-          "tried": render_tried, "order": render_order, "ab-mimo": render_ab_mimo, "ab-hint": render_ab_hint}  # fmt: skip
+          "tried": render_tried, "order": render_order, "ab-mimo": render_ab_mimo, "ab-hint": render_ab_hint,
+          "ab-host": render_ab_host}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------

@@ -78,18 +78,16 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, sink: Optional[Tensor], scale: float, 
     lse = q.new_empty((q.shape[1], q.shape[0]), dtype=_F32)
     if q.shape[0] == 0:  # no query rows: nothing to compute (empty tensors carry NULL data pointers)
         return out, lse
-    stream = stream_of(q.device)
-    try:  # capsules made inline (the dict of ``capsules`` costs host time before the launch)
-        if mask.cu_seqlens is not None:
-            _C.sink_attn_fwd(q=to_dlpack(q), k=to_dlpack(k), v=to_dlpack(v), sink=None if sink is None else to_dlpack(sink),
-                             out=to_dlpack(out), lse=to_dlpack(lse), scale=scale, stream=stream,
-                             cu_seqlens=to_dlpack(mask.cu_seqlens), window=mask.window)  # fmt: skip
-            return out, lse
+    stream, cu, lo, hi = stream_of(q.device), mask.cu_seqlens, mask.row_lo, mask.row_hi
+    try:  # capsules made inline (the dict of ``capsules`` and a ** call cost host time before the launch)
+        _C.sink_attn_fwd(q=to_dlpack(q), k=to_dlpack(k), v=to_dlpack(v), sink=None if sink is None else to_dlpack(sink),
+                         out=to_dlpack(out), lse=to_dlpack(lse), scale=scale, stream=stream,
+                         cu_seqlens=None if cu is None else to_dlpack(cu), row_lo=None if lo is None else to_dlpack(lo),
+                         row_hi=None if hi is None else to_dlpack(hi), window=mask.window)  # fmt: skip
     except BufferError:  # which argument DLPack refused (meta tensors), with its name
-        capsules({"q": q, "k": k, "v": v, "sink": sink, "out": out, "lse": lse, "cu_seqlens": mask.cu_seqlens})
+        capsules({"q": q, "k": k, "v": v, "sink": sink, "out": out, "lse": lse, "cu_seqlens": cu, "row_lo": lo,
+                  "row_hi": hi})  # fmt: skip
         raise
-    caps = capsules({"q": q, "k": k, "v": v, "sink": sink, "out": out, "lse": lse})
-    _C.sink_attn_fwd(**caps, scale=scale, stream=stream, **mask.kwargs())
     return out, lse
 
 
@@ -110,9 +108,19 @@ def _bwd(dout, q, k, v, sink, out, lse, scale: float, mask: AttnMask):
                 _ws_bytes.clear()
             _ws_bytes[key] = nbytes
         ws = torch.empty(((nbytes + 3) // 4,), dtype=torch.float32, device=q.device)
-    caps = capsules({"q": q, "k": k, "v": v, "out": out, "lse": lse, "dout": dout.contiguous(), "dq": dq, "dk": dk,
-                      "dv": dv, "sink": sink, "dsink": dsink, "workspace": ws})  # fmt: skip
-    _C.sink_attn_bwd(**caps, scale=scale, deterministic=det, stream=stream_of(q.device), **mask.kwargs())
+    dout, stream = dout.contiguous(), stream_of(q.device)
+    cu, lo, hi = mask.cu_seqlens, mask.row_lo, mask.row_hi
+    try:  # capsules made inline, as in _fwd (a dict of them and a ** call cost host time per call)
+        _C.sink_attn_bwd(q=to_dlpack(q), k=to_dlpack(k), v=to_dlpack(v), out=to_dlpack(out), lse=to_dlpack(lse),
+                         dout=to_dlpack(dout), dq=to_dlpack(dq), dk=to_dlpack(dk), dv=to_dlpack(dv),
+                         sink=None if sink is None else to_dlpack(sink), dsink=None if dsink is None else to_dlpack(dsink),
+                         workspace=None if ws is None else to_dlpack(ws), scale=scale, deterministic=det, stream=stream,
+                         cu_seqlens=None if cu is None else to_dlpack(cu), row_lo=None if lo is None else to_dlpack(lo),
+                         row_hi=None if hi is None else to_dlpack(hi), window=mask.window)  # fmt: skip
+    except BufferError:  # which argument DLPack refused (meta tensors), with its name
+        capsules({"q": q, "k": k, "v": v, "out": out, "lse": lse, "dout": dout, "dq": dq, "dk": dk, "dv": dv,
+                  "sink": sink, "dsink": dsink, "workspace": ws, "cu_seqlens": cu, "row_lo": lo, "row_hi": hi})
+        raise
     return dq, dk, dv, dsink
 
 

@@ -667,6 +667,31 @@ def test_bad_input(change, exc, msg):
     assert msg in str(ei.value), f"{type(ei.value).__name__}: {ei.value}"
 
 
+@pytest.mark.parametrize("mode", ["docs", "table"])
+@pytest.mark.parametrize("which", ["q", "sink", "dout", "mask"])
+def test_meta_tensor_is_named_by_the_native_calls(mode, which):
+    """``attn_forward`` / ``attn_backward`` (the calls of SinkAttnFunc and of the Flint CP step)
+    name a meta tensor among their arguments, for both mask kinds, forward and backward."""
+    a = _base()
+    q, k, v, s, cu = a["q"], a["k"], a["v"], a["sink"], a["cu_seqlens"]
+    T = q.shape[0]
+    lo, hi = torch.zeros(T, dtype=torch.int32), torch.arange(T, dtype=torch.int32)
+    mask = AttnMask(cu_seqlens=cu, window=3) if mode == "docs" else AttnMask(row_lo=lo, row_hi=hi)
+    out, lse = attn_forward(q, k, v, s, mask, 0.5)
+    dout = torch.ones_like(out)
+    meta = lambda t: t.to("meta")  # noqa: E731
+    name = {"q": "q", "sink": "sink", "dout": "dout", "mask": "cu_seqlens" if mode == "docs" else "row_lo"}[which]
+    if which == "mask":
+        mask = AttnMask(cu_seqlens=meta(cu), window=3) if mode == "docs" else AttnMask(row_lo=meta(lo), row_hi=hi)
+    q2, s2, dout2 = (meta(q) if which == "q" else q), (meta(s) if which == "sink" else s), (
+        meta(dout) if which == "dout" else dout)  # fmt: skip
+    if which != "dout":
+        with pytest.raises(ValueError, match=f"^{name} is a meta tensor"):
+            attn_forward(q2, k, v, s2, mask, 0.5)
+    with pytest.raises(ValueError, match=f"^{name} is a meta tensor"):
+        attn_backward(dout2, q2, k, v, s2, out, lse, mask, 0.5)
+
+
 def test_native_boundary_names_the_argument():
     """The C module checks what the Python wrapper cannot vouch for when its ops are called
     directly (cu_seqlens and table contents, output buffers, the mask fields, keyword names)."""
