@@ -492,6 +492,9 @@ def test_plan_keys_are_the_dataclass_built_field_by_field():
         with pytest.raises(dataclasses.FrozenInstanceError):
             key.window = 5
     assert plan.keys[0]._cache is not plan.keys[33]._cache  # each key writes out its own tables
+    cpu = plan.keys[33].device_tables(torch.device("cpu"))
+    assert plan.keys[33].device_tables(torch.device("cpu")) is cpu  # written out once per device, then cached
+    assert torch.equal(cpu["send_idx"], plan.keys[33].send_idx) and cpu["mask"].window == 33
     assert not torch.equal(plan.keys[0].recv_pos, plan.keys[33].recv_pos)
 
 
