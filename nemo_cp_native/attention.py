@@ -57,12 +57,26 @@ class AttnMask:
         return {"row_lo": dl(self.row_lo), "row_hi": dl(self.row_hi), "window": self.window}
 
 
+# NCP_DETERMINISTIC is read at every backward (a change at run time takes effect). os.environ.get
+# of an absent name costs 0.9 us (a KeyError inside); the mapping's own dict of encoded names,
+# which os.environ updates on every set and delete, answers in 0.05 us. Where os.environ has no such
+# dict (another Python), the plain lookup.
+try:
+    _ENV_DATA, _DET_KEY, _DET_ON = os.environ._data, os.environ.encodekey("NCP_DETERMINISTIC"), os.environ.encodevalue("1")
+except AttributeError:  # pragma: no cover - CPython's os._Environ has all three
+    _ENV_DATA = None
+
+
 def backward_is_deterministic() -> bool:
     """Whether the next backward must be bitwise repeatable: ``torch.use_deterministic_algorithms(True)``
     or ``NCP_DETERMINISTIC=1``. Otherwise the Hopper backward accumulates dq with atomic
     reductions (5 MMAs per tile instead of 7), so the last bits of dq may differ between runs; dk,
     dv and dsink are repeatable either way, and every other path is deterministic."""
-    return torch.are_deterministic_algorithms_enabled() or os.environ.get("NCP_DETERMINISTIC", "") == "1"
+    if torch.are_deterministic_algorithms_enabled():
+        return True
+    if _ENV_DATA is not None and getattr(os.environ, "_data", None) is _ENV_DATA:  # os.environ not swapped out
+        return _ENV_DATA.get(_DET_KEY) == _DET_ON
+    return os.environ.get("NCP_DETERMINISTIC", "") == "1"
 
 
 # ------------------------------------------------------------------------------------------

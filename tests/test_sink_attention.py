@@ -12,6 +12,8 @@ Reproduce a failure with ``NCP_TEST_SEED=<seed printed in the report>``.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -444,6 +446,15 @@ def test_backward_determinism_switches(monkeypatch):
         assert backward_is_deterministic()
         monkeypatch.setenv("NCP_DETERMINISTIC", "0")
         assert not backward_is_deterministic()
+        os.environ["NCP_DETERMINISTIC"] = "1"  # set and deleted at run time, outside monkeypatch too
+        assert backward_is_deterministic()
+        del os.environ["NCP_DETERMINISTIC"]
+        assert not backward_is_deterministic()
+        monkeypatch.setattr(os, "environ", {"NCP_DETERMINISTIC": "1"})  # os.environ swapped for a plain dict
+        assert backward_is_deterministic()
+        os.environ["NCP_DETERMINISTIC"] = "2"
+        assert not backward_is_deterministic()
+        monkeypatch.undo()
         torch.use_deterministic_algorithms(True)
         assert backward_is_deterministic()
     finally:
