@@ -1,0 +1,48 @@
+"""The A/B scripts' CPU modes run end to end (``benchmarks/ab_host.py``, ``benchmarks/ab_mimo.py``
+with ``--device cpu``): this tree against itself, few repetitions, in a subprocess. They compare
+the two trees' outputs before timing, write the JSON that ``render_records.py`` renders, and
+that page block renders from it. Timings are not checked (benchmarks measure, tests do not)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(_ROOT, "benchmarks"))
+
+
+def _run(script, *args, tmp_path):
+    out = tmp_path / "ab.json"
+    run = subprocess.run([sys.executable, os.path.join("benchmarks", script), "--a", ".", "--b", ".", "--device", "cpu",
+                          "--labels", "A", "B", "--json", str(out), *args],
+                         capture_output=True, text=True, timeout=600, cwd=_ROOT)  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+    return json.loads(out.read_text())
+
+
+def test_ab_host_cpu(tmp_path):
+    import render_records
+
+    data = _run("ab_host.py", "--rounds", "2", "--reps", "20", tmp_path=tmp_path)
+    assert (data["a"], data["b"], data["device"]) == ("A", "B", "cpu")
+    calls = [r["call"] for r in data["rows"]]
+    assert calls == ["forward, docs", "backward, docs", "forward, table", "backward, table"]
+    assert all(r["a_us"] > 0 and r["b_us"] > 0 and len(r["runs"]["a"]) == 2 for r in data["rows"])
+    page = render_records.render_ab_host([str(tmp_path / "ab.json")])
+    assert "| backward, table |" in page and "A = `A`, B = `B`" in page
+
+
+@pytest.mark.parametrize("seq", [64])
+def test_ab_mimo_cpu(tmp_path, seq):
+    import render_records
+
+    data = _run("ab_mimo.py", "--seq", str(seq), "--rounds", "2", "--reps", "5", tmp_path=tmp_path)
+    assert [r["chunks"] for r in data["rows"]] == [1, 4]
+    assert all(r["seq"] == seq and r["device"] == "cpu" and r["ref_fastTE_us"] > 0 for r in data["rows"])
+    page = render_records.render_ab_mimo([str(tmp_path / "ab.json")])
+    assert f"S = {seq} tokens" in page and "CPU tokens" in page
