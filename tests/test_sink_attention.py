@@ -678,6 +678,22 @@ def test_bad_input(change, exc, msg):
     assert msg in str(ei.value), f"{type(ei.value).__name__}: {ei.value}"
 
 
+def test_doc_mask_is_the_dataclass_built_field_by_field():
+    """``sink_attention`` makes its mask without the frozen dataclass's __init__
+    (``attention._doc_mask``): the object ``AttnMask(...)`` makes, every field set, still frozen."""
+    import dataclasses
+
+    from nemo_cp_native.attention import _doc_mask
+
+    cu = _i32(0, 3, 7)
+    made, want = _doc_mask(cu, 5), AttnMask(cu_seqlens=cu, window=5)
+    assert type(made) is AttnMask and made == want and repr(made) == repr(want)
+    assert set(vars(made)) == {f.name for f in dataclasses.fields(AttnMask)}
+    assert all(getattr(made, f.name) is getattr(want, f.name) for f in dataclasses.fields(AttnMask))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        made.window = 3
+
+
 @pytest.mark.parametrize("mode", ["docs", "table"])
 @pytest.mark.parametrize("which", ["q", "sink", "dout", "mask"])
 def test_meta_tensor_is_named_by_the_native_calls(mode, which):
