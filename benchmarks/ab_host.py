@@ -3,7 +3,8 @@
 What a change to the Python around the native calls moves (``nemo_cp_native/attention.py``):
 the host time of ``attn_forward`` and ``attn_backward`` (the calls ``SinkAttnFunc`` and the Flint
 CP step make), with a document mask (``cu_seqlens``) and with a table mask (``row_lo`` /
-``row_hi``, as Flint CP passes). Tiny shapes, so that the call's time is its host path:
+``row_hi``, as Flint CP passes), and of ``sink_attention`` as a user calls it (an autograd
+forward; a forward then ``out.backward()``). Tiny shapes, so that the call's time is its host path:
 
 - ``--device cpu`` (no GPU needed): the CPU kernels on 4 tokens, each call timed whole; the
   kernel's own part is the same in both trees;
@@ -67,12 +68,22 @@ def main() -> int:
             fns[f"forward, {name}"] = lambda A=A, m=mask: A.attn_forward(q, k, v, sink, m, 0.125)
             fns[f"backward, {name}"] = lambda A=A, m=mask, o=out, s=lse, d=dout: A.attn_backward(d, q, k, v, sink, o, s,
                                                                                                 m, 0.125)  # fmt: skip
+        leaves = [t.detach().requires_grad_() for t in (q, k, v, sink)]
+        fns["sink_attention, autograd forward"] = lambda p=pkg: p.sink_attention(*leaves, cu)
+
+        def fwd_bwd(p=pkg):  # forward, then out.backward(): the node's backward through the engine
+            out = p.sink_attention(*leaves, cu)
+            out.backward(torch.ones_like(out))
+            return out
+
+        fns["sink_attention, forward + out.backward()"] = fwd_bwd
         return fns
 
     fns = {key: calls(pkg) for key, pkg in pkgs.items()}
     for name in fns["a"]:
-        for x, y in zip(fns["a"][name](), fns["b"][name]()):
-            assert (x is None and y is None) or torch.equal(x, y), name
+        x, y = fns["a"][name](), fns["b"][name]()
+        x, y = (x, y) if isinstance(x, tuple) else ((x,), (y,))
+        assert all((s is None and t is None) or torch.equal(s, t) for s, t in zip(x, y)), name
 
     def one(fn):
         if cuda:
