@@ -38,8 +38,8 @@ def main() -> int:
     ap.add_argument("--b", required=True)
     ap.add_argument("--labels", nargs=2, metavar=("A", "B"), help="names of the two trees in the JSON (default: the paths)")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    ap.add_argument("--rounds", type=int, default=8)
-    ap.add_argument("--reps", type=int, default=2000)
+    ap.add_argument("--rounds", type=int, default=30, help="rounds, A and B alternating (default 30)")
+    ap.add_argument("--reps", type=int, default=500, help="single calls timed per round (default 500)")
     ap.add_argument("--json")
     args = ap.parse_args()
     pkgs = {"a": load(args.a, "nemo_cp_native"), "b": load(args.b, "ncp_b")}
