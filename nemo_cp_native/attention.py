@@ -220,6 +220,33 @@ class SinkAttnFunc(torch.autograd.Function):
         return dq, dk, dv, dsink, None, None, None
 
 
+class _SinkAttnOutFunc(torch.autograd.Function):
+    """``SinkAttnFunc`` for callers that do not return lse (``sink_attention`` without
+    ``return_lse``, the Flint step at cp = 1): out is its one output and lse a saved intermediate,
+    so there is no non-differentiable output to mark and wrap (1 us less host time a call on the
+    development machine). The forward ran before (``launched``), as in ``sink_attn_autograd``."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sink, mask: AttnMask, scale: float, launched: tuple):
+        out, lse = launched
+        ctx.save_for_backward(q, k, v, out, lse, sink)
+        ctx.mask, ctx.scale = mask, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, sink = ctx.saved_tensors
+        dq, dk, dv, dsink = attn_backward(dout, q, k, v, sink, out, lse, ctx.mask, ctx.scale)
+        return dq, dk, dv, dsink, None, None, None
+
+
+def sink_attn_out(q, k, v, sink, mask: AttnMask, scale: float) -> Tensor:
+    """``sink_attn_autograd(...)[0]`` with a node of one output (``_SinkAttnOutFunc``)."""
+    if torch.compiler.is_compiling():
+        return SinkAttnFunc.apply(q, k, v, sink, mask, scale)[0]
+    return _SinkAttnOutFunc.apply(q, k, v, sink, mask, scale, _fwd(q, k, v, sink, scale, mask))
+
+
 def sink_attn_autograd(q, k, v, sink, mask: AttnMask, scale: float) -> tuple[Tensor, Tensor]:
     """``SinkAttnFunc.apply`` with the kernel launched first: in eager mode the native forward is
     called before the autograd node is built (a Python ``Function.apply`` costs tens of
@@ -311,6 +338,8 @@ def sink_attention(
     mask = _doc_mask(cu_seqlens, window)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                     or (sink is not None and sink.requires_grad)):  # fmt: skip
+        if not return_lse:
+            return sink_attn_out(q, k, v, sink, mask, scale)
         out, lse = sink_attn_autograd(q, k, v, sink, mask, scale)
     else:  # nothing to differentiate: no autograd node (its Python machinery is most of the host cost)
         out, lse = attn_forward(q, k, v, sink, mask, scale)

@@ -30,7 +30,7 @@ from torch import Tensor
 
 from . import _compat
 from ._ops import _C, dl, stream_of
-from .attention import AttnMask, attn_backward, attn_forward, sink_attn_autograd
+from .attention import AttnMask, attn_backward, attn_forward, sink_attn_out
 
 logger = logging.getLogger(__name__)
 
@@ -275,7 +275,7 @@ class FlintMagiPlan:
         q, k, v = (t.contiguous() for t in (query, key, value))
         if mkey.cp_size == 1:  # no exchange: the same positions-mode kernels through SinkAttnFunc
             mask = mkey.device_tables(q.device)["mask"]
-            return sink_attn_autograd(q, k, v, sink, mask, float(scale))[0]
+            return sink_attn_out(q, k, v, sink, mask, float(scale))
         return _FlintCPAttention.apply(q, k, v, sink, mkey, float(scale))
 
 

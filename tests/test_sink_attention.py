@@ -506,6 +506,25 @@ def test_gradcheck_float64(hq, hkv, d, window, sink, fast, ncp_seed):
     assert torch.autograd.gradcheck(f, tuple(leaves), eps=1e-6, atol=1e-5, rtol=1e-4, fast_mode=fast)
 
 
+@pytest.mark.parametrize("sink", [True, False])
+def test_out_only_node_equals_the_two_output_node(sink, ncp_seed):
+    """Without ``return_lse`` the graph holds ``_SinkAttnOutFunc`` (one output); its values and
+    gradients are bitwise those of ``SinkAttnFunc`` (``return_lse=True``), which the oracle tests
+    check."""
+    g = _gen(ncp_seed)
+    c = make_attention_case(doc_lengths(60, "random", generator=g, mean=20), 4, 2, 16, generator=g)
+    cu, dout = c["cu_seqlens"], torch.randn(c["q"].shape, generator=g)
+    runs = []
+    for return_lse in (False, True):
+        leaves = _leaves(c, sink, None)
+        got = ncp.sink_attention(*leaves[:3], leaves[3] if sink else None, cu, window=7, return_lse=return_lse)
+        out = got[0] if return_lse else got
+        assert (out.grad_fn.__class__.__name__ == "_SinkAttnOutFuncBackward") == (not return_lse)
+        runs.append((out.detach(), torch.autograd.grad(out, leaves, dout)))
+    (o1, g1), (o2, g2) = runs
+    assert torch.equal(o1, o2) and all(torch.equal(a, b) for a, b in zip(g1, g2))
+
+
 def test_gradcheck_table_mask(ncp_seed):
     """SinkAttnFunc under a table mask, with rows that see nothing."""
     g = _gen(ncp_seed)
