@@ -292,6 +292,47 @@ def test_attention_rejects_bad_input():
         sim.attention(torch.randn(L, 4, 16), torch.randn(L, 2, 16), torch.randn(L, 2, 16), s, 0, 0.25)
 
 
+def _local_variants(q, k, v, s):
+    """(q, k, v, sink) with one or two things wrong or odd: shapes, dtypes, meta tensors, non-tensors,
+    strides, sink dtype / shape; the plain call first."""
+    def meta(t):
+        return t.to("meta")
+
+    edits = [
+        lambda a: a, lambda a: (a[0][1:], *a[1:]), lambda a: (a[0][:, :2], *a[1:]), lambda a: (a[0][..., :8], *a[1:]),
+        lambda a: (a[0][None], *a[1:]), lambda a: (a[0], a[1][:, :1], *a[2:]), lambda a: (a[0], a[1][..., :8], *a[2:]),
+        lambda a: (*a[:2], a[2][1:], a[3]), lambda a: (a[0], a[1].double(), *a[2:]), lambda a: (*a[:2], a[2].half(), a[3]),
+        lambda a: (*a[:3], a[3].double()), lambda a: (*a[:3], a[3][:2]), lambda a: (*a[:3], a[3][None]),
+        lambda a: (meta(a[0]), *a[1:]), lambda a: (a[0], meta(a[1]), *a[2:]), lambda a: (*a[:3], meta(a[3])),
+        lambda a: (a[0].tolist(), *a[1:]), lambda a: (*a[:3], None), lambda a: (a[0], a[1], 3.0, a[3]),
+        lambda a: (a[0].double(), a[1].double(), a[2].double(), a[3]), lambda a: (a[0].transpose(0, 1).contiguous()
+                                                                                   .transpose(0, 1), *a[1:]),
+        lambda a: (a[0].to(torch.int32), a[1].to(torch.int32), a[2].to(torch.int32), a[3]),
+    ]  # fmt: skip
+    for i, e in enumerate(edits):
+        for f in edits[: i + 1] if i < 4 else (edits[0],):  # a few pairs of edits too
+            yield e(f((q, k, v, s)))
+
+
+def test_local_checks_fast_path_agrees_with_the_explained_checks():
+    """``FlintMagiPlan.attention`` checks its tensors with one expression (``flint._local_ok``) and
+    walks the checks one by one (``flint._explain_local``) only to name what failed: both must
+    accept exactly the same inputs."""
+    plan, q, k, v, s, _ = _cp1_case(T=203)
+    mkey = plan.keys[0]
+    seen = {True: 0, False: 0}
+    for args in _local_variants(q, k, v, s):
+        ok = flint._local_ok(mkey, *args)
+        try:
+            flint._explain_local(mkey, *args)
+            explained = True
+        except (TypeError, ValueError):
+            explained = False
+        assert ok == explained, [getattr(a, "shape", a) for a in args]
+        seen[ok] += 1
+    assert seen[True] >= 2 and seen[False] >= 15, seen
+
+
 def test_select():
     plans = [flint._build_magi_plan(pack_documents([n]), config(), None) for n in (40, 50, 60)]
     bp = flint.FlintMagiBatchPlans(plans=tuple(plans))
