@@ -30,7 +30,6 @@ import math
 import os
 import random
 import re
-import sys
 import time
 import traceback
 from typing import Any, Callable

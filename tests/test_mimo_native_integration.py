@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import re
-import warnings
 
 import pytest
 import torch

@@ -225,4 +225,4 @@ def test_hook_install_patches_targets_already_imported(fake_flint, capsys, monke
         hook.uninstall()
     assert hook._state["finder"] is None and all(not isinstance(f, hook._Finder) for f in sys.meta_path)
     err = capsys.readouterr().err
-    assert f"NCP_PATCH=1 rank 3 (local" in err and f"patched 4 names of {FLINT}" in err
+    assert "NCP_PATCH=1 rank 3 (local" in err and f"patched 4 names of {FLINT}" in err

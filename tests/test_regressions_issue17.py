@@ -10,7 +10,6 @@ up at call time (``test_compat_upstream.py``), and every entry point fuzzed (``t
 
 from __future__ import annotations
 
-import math
 import os
 import subprocess
 import sys

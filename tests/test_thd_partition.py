@@ -16,10 +16,8 @@
 
 from __future__ import annotations
 
-import re
 import subprocess
 import sys
-import warnings
 
 import pytest
 import torch
