@@ -3,8 +3,9 @@
 What a change to the Python around the native calls moves (``nemo_cp_native/attention.py``):
 the host time of ``attn_forward`` and ``attn_backward`` (the calls ``SinkAttnFunc`` and the Flint
 CP step make), with a document mask (``cu_seqlens``) and with a table mask (``row_lo`` /
-``row_hi``, as Flint CP passes), and of ``sink_attention`` as a user calls it (an autograd
-forward; a forward then ``out.backward()``). Tiny shapes, so that the call's time is its host path:
+``row_hi``, as Flint CP passes), of ``sink_attention`` as a user calls it (an autograd
+forward; a forward then ``out.backward()``) and of ``FlintMagiPlan.attention`` at cp = 1 (its
+checks, then the same kernels). Tiny shapes, so that the call's time is its host path:
 
 - ``--device cpu`` (no GPU needed): the CPU kernels on 4 tokens, each call timed whole; the
   kernel's own part is the same in both trees;
@@ -77,6 +78,12 @@ def main() -> int:
             return out
 
         fns["sink_attention, forward + out.backward()"] = fwd_bwd
+        from types import SimpleNamespace
+
+        cfg = SimpleNamespace(num_attention_heads=Hq, num_key_value_heads=Hkv, head_dim=D, sliding_window=3,
+                              magi_chunk_size=T)  # fmt: skip
+        plan = pkg.flint._build_magi_plan(torch.tensor([0, T], dtype=torch.int32), cfg, None)
+        fns["FlintMagiPlan.attention, cp = 1, autograd forward"] = lambda pl=plan: pl.attention(*leaves, 3, 0.125)
         return fns
 
     fns = {key: calls(pkg) for key, pkg in pkgs.items()}

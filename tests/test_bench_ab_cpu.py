@@ -32,7 +32,8 @@ def test_ab_host_cpu(tmp_path):
     assert (data["a"], data["b"], data["device"]) == ("A", "B", "cpu")
     calls = [r["call"] for r in data["rows"]]
     assert calls == ["forward, docs", "backward, docs", "forward, table", "backward, table",
-                     "sink_attention, autograd forward", "sink_attention, forward + out.backward()"]
+                     "sink_attention, autograd forward", "sink_attention, forward + out.backward()",
+                     "FlintMagiPlan.attention, cp = 1, autograd forward"]
     assert all(r["a_us"] > 0 and r["b_us"] > 0 and len(r["runs"]["a"]) == 2 for r in data["rows"])
     page = render_records.render_ab_host([str(tmp_path / "ab.json")])
     assert "| backward, table |" in page and "A = `A`, B = `B`" in page
