@@ -5,7 +5,8 @@ its host work overlaps the spin, so the figure is what the host spends (argument
 allocations, DLPack, launches), not GPU time; a call that synced would wait for the spin and show
 it. Median over repetitions. Rows: ``ncp.sink_attention`` forward (no grad) and backward
 (``out.backward``), Flint 32/4/128 at 64k tokens with 8k documents, window 0 and 513, next to
-SDPA's forward and backward; the native calls alone (``attn_forward`` / ``attn_backward``, no
+SDPA's forward and backward; ``FlintMagiPlan.attention`` at cp = 1 (window 513: its checks, the
+plan's table mask, the same kernels); the native calls alone (``attn_forward`` / ``attn_backward``, no
 autograd: the op's own host cost) and a no-op autograd node over the same four leaves (the
 engine's cost around any op: the floor of an autograd backward on this host); the sync count of
 each call (``torch.cuda.set_sync_debug_mode``); and the op captured in CUDA graphs, a forward graph and
@@ -142,6 +143,23 @@ def main(argv=None) -> int:
 
         rows.append(graph_row(f"sink_attention w{w}", fwd, lambda: ncp.sink_attention(q, k, v, s, cu, window=w),
                               torch.randn_like(q), n))  # fmt: skip
+    # The Flint step at cp = 1 (FlintMagiPlan.attention: its checks, the plan's table mask, the same
+    # kernels; at cp > 1 the all-to-all adds its own host cost)
+    from types import SimpleNamespace
+
+    from nemo_cp_native import flint
+
+    cfg = SimpleNamespace(num_attention_heads=hq, num_key_value_heads=hkv, head_dim=d, sliding_window=513)
+    plan = flint._build_magi_plan(cu.cpu(), cfg, None)
+    assert plan.keys[513].num_local_tokens == T
+
+    def plan_fwd():
+        with torch.no_grad():
+            plan.attention(q, k, v, s, 513, d**-0.5)
+
+    plan.attention(q, k, v, s, 513, d**-0.5)  # the plan's tables written on the GPU once, outside the timing
+    rows.append(graph_row("FlintMagiPlan.attention w513, cp = 1", plan_fwd,
+                          lambda: plan.attention(q, k, v, s, 513, d**-0.5), torch.randn_like(q), n))  # fmt: skip
     qs, ks, vs = (t.detach().transpose(0, 1).unsqueeze(0) for t in (q[:8192], k[:8192].repeat_interleave(8, 1),
                                                                      v[:8192].repeat_interleave(8, 1)))  # fmt: skip
 
