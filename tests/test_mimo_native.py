@@ -109,6 +109,16 @@ def test_matrix_every_rank(cp, ncp_seed):
         _check_case(_perturb(batch, g), opts, cp, g)
 
 
+@pytest.mark.parametrize("cp", [3, 6, 12])
+def test_cp_sizes_off_the_matrix(cp, ncp_seed):
+    """cp sizes that are not powers of two (the layout's divisibility check then divides; powers of
+    two take a mask): every rank, one and two chunks, native == oracle."""
+    g = gen(ncp_seed)
+    for B, C, u in ((2, 1, 1), (4, 2, 3), (3, 1, 2)):
+        batch, opts, _ = draw_case(g, B=B, S=2 * cp * u, C=C, cp=cp)
+        _check_case(_perturb(batch, g), opts, cp, g)
+
+
 @pytest.mark.parametrize("draw", range(8))
 def test_random_draws(draw, ncp_seed):
     g = gen(ncp_seed)
@@ -443,6 +453,12 @@ ERROR_CASES = [  # (id, mesh, batch factory, options, type, exact message, path 
      {"num_chunks": 2}, ValueError, _DIVIS.format(16, [8, 8, 16]), "native"),
     ("divisibility_cp_2_pow_30", FakeCPMesh(2**30, 1), _b, {}, ValueError,
      lambda: _DIVIS.format(2**31, [v for v in _b()["seq_lens_padded"].flatten().tolist() if v != -1000]), None),
+    ("divisibility_cp_3", FakeCPMesh(3, 2), lambda: _b(S=24, **_lens([9, 15], [9, 15])), {}, ValueError,
+     _DIVIS.format(6, [9, 15] * 4), "native"),
+    ("divisibility_cp_6", FakeCPMesh(6, 4), lambda: _b(S=24, **_lens([18, 6], [18, 6])), {}, ValueError,
+     _DIVIS.format(12, [18, 6] * 4), "native"),
+    ("divisibility_cp_3_pow_29", FakeCPMesh(3 * 2**29, 7), _b, {}, ValueError,
+     lambda: _DIVIS.format(3 * 2**30, [v for v in _b()["seq_lens_padded"].flatten().tolist() if v != -1000]), None),
     ("S_below_2cp", M8, lambda: _b(S=8, **_lens([8], [8])), {},
      ValueError, _DIVIS.format(16, [8] * 4), "native"),
     ("padding_id_is_content", None, lambda: _b(seq_lens=None, input_ids=_ZERO_COL3), {}, ValueError,

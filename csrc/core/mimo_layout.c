@@ -78,17 +78,30 @@ static int64_t sentinel_in(ncp_dtype dt, int64_t sentinel) {
 }
 
 /* Copies the non-sentinel entries of rows [r0, r1) of a (B, ncol) int32/int64 table with element
- * strides (st0, st1), widened to int64; the comparison is torch's in the table's own dtype. */
+ * strides (st0, st1), widened to int64; the comparison is torch's in the table's own dtype.
+ * Branch-free (every entry is stored, the count advances past kept ones: sentinels may sit
+ * anywhere in a row), one loop per dtype. `out` holds ncol * (r1 - r0) entries. */
 static int64_t filter_rows(const void *tab, ncp_dtype dt, int64_t st0, int64_t st1, int64_t ncol, int64_t r0,
                            int64_t r1, int64_t sentinel, int64_t *out) {
     const int64_t s = sentinel_in(dt, sentinel);
     int64_t n = 0;
-    for (int64_t row = r0; row < r1; ++row)
-        for (int64_t col = 0; col < ncol; ++col) {
-            int64_t off = row * st0 + col * st1;
-            int64_t v = dt == NCP_DT_I64 ? ((const int64_t *)tab)[off] : (int64_t)((const int32_t *)tab)[off];
-            if (v != s) out[n++] = v;
-        }
+    if (dt == NCP_DT_I64) {
+        const int64_t *t = (const int64_t *)tab;
+        for (int64_t row = r0; row < r1; ++row)
+            for (int64_t col = 0; col < ncol; ++col) {
+                const int64_t v = t[row * st0 + col * st1];
+                out[n] = v;
+                n += v != s;
+            }
+    } else {
+        const int32_t *t = (const int32_t *)tab;
+        for (int64_t row = r0; row < r1; ++row)
+            for (int64_t col = 0; col < ncol; ++col) {
+                const int64_t v = t[row * st0 + col * st1];
+                out[n] = v;
+                n += v != s;
+            }
+    }
     return n;
 }
 
@@ -108,9 +121,17 @@ static ncp_status mimo_validate_chunk(const int64_t *vals, int64_t n, int64_t to
                  "MiMo TE THD seq_lens_padded must cover each pipeline chunk: got %" PRId64 " slots for %" PRId64
                  " tokens",
                  sum, tokens);
-    const int64_t div = 2 * (int64_t)W; /* int64: 2 * W overflows int32 for W >= 2^30 */
-    for (int64_t i = 0; i < n; ++i)
-        if (lens[i] % div != 0) return fail_divisible(lens, n, div);
+    /* Every lens[i] is positive here and div = 2 W <= 2^32 - 2, so the remainder is the unsigned
+     * 32-bit one (a 64-bit division per entry took a fifth of this pass); a mask when div is a
+     * power of two (every cp size in practice). int64: 2 * W overflows int32 for W >= 2^30. */
+    const int64_t div = 2 * (int64_t)W;
+    const uint32_t d32 = (uint32_t)div;
+    uint32_t rem = 0;
+    if ((d32 & (d32 - 1)) == 0)
+        for (int64_t i = 0; i < n; ++i) rem |= (uint32_t)lens[i] & (d32 - 1);
+    else
+        for (int64_t i = 0; i < n && rem == 0; ++i) rem = (uint32_t)lens[i] % d32;
+    if (rem != 0) return fail_divisible(lens, n, div);
     cu[0] = 0;
     for (int64_t i = 0; i < n; ++i) cu[i + 1] = ncp_add_wrap_i32(cu[i], lens[i]); /* TE's int32 cumsum */
     /* The framework's int64 padding starts equal these boundaries when no value was cut to int32
@@ -212,7 +233,9 @@ typedef struct {
     int32_t W;
     int64_t arrays0, cu_words, st_words, per_chunk; /* fixed per-chunk strides of the kernel table */
     mimo_chunk *chunks;
-    int64_t *vl, *vp;                               /* (cap,) filtered rows */
+    int64_t *vl;                                    /* (cap,) a chunk's filtered real lengths */
+    int64_t *vp;                                    /* (C, cap) every chunk's filtered padded lengths */
+    int64_t *n_vp;                                  /* (C,) their counts (-1: not filtered yet, W <= 1) */
     int32_t *i32;                                   /* lens, cu_te, then 2 * cap per chunk */
 } layout_ctx;
 
@@ -229,10 +252,11 @@ static ncp_status pass_mimo(const ncp_mimo_layout_params *p, layout_ctx *x) {
         desc[2] = base + x->cu_words;
         desc[4] = base + x->cu_words + x->st_words;
         if (x->W <= 1) continue;
-        int64_t n = filter_rows(p->seq_lens_padded, p->slp_dt, p->slp_st0, p->slp_st1, p->n_pad, c * x->rpc,
-                                (c + 1) * x->rpc, p->sentinel, x->vp);
+        int64_t *vp = x->vp + c * x->cap; /* kept for pass 2, which needs the same entries */
+        int64_t n = x->n_vp[c] = filter_rows(p->seq_lens_padded, p->slp_dt, p->slp_st0, p->slp_st1, p->n_pad,
+                                             c * x->rpc, (c + 1) * x->rpc, p->sentinel, vp);
         int exact = 0;
-        NCP_TRY(mimo_validate_chunk(x->vp, n, x->Tc, x->W, lens, cu_te, &exact));
+        NCP_TRY(mimo_validate_chunk(vp, n, x->Tc, x->W, lens, cu_te, &exact));
         memcpy(buf + desc[0], cu_te, (size_t)(n + 1) * sizeof(int32_t));
         desc[1] = n + 1;
         desc[6] = exact;
@@ -247,14 +271,16 @@ static ncp_status pass_framework(const ncp_mimo_layout_params *p, layout_ctx *x)
         int64_t *desc = buf + 1 + NCP_MIMO_DESC * c;
         int64_t n_r = filter_rows(p->seq_lens, p->sl_dt, p->sl_st0, p->sl_st1, p->n_real, c * x->rpc,
                                   (c + 1) * x->rpc, p->sentinel, x->vl);
-        int64_t n_p = filter_rows(p->seq_lens_padded, p->slp_dt, p->slp_st0, p->slp_st1, p->n_pad, c * x->rpc,
-                                  (c + 1) * x->rpc, p->sentinel, x->vp);
+        int64_t *vp = x->vp + c * x->cap;
+        int64_t n_p = x->n_vp[c] >= 0 ? x->n_vp[c]
+                                      : filter_rows(p->seq_lens_padded, p->slp_dt, p->slp_st0, p->slp_st1, p->n_pad,
+                                                    c * x->rpc, (c + 1) * x->rpc, p->sentinel, vp);
         mimo_chunk *ch = &x->chunks[c];
         ch->cu_real = x->i32 + 2 * x->cap + 2 * c * x->cap;
-        NCP_TRY(framework_chunk(x->vl, n_r, x->vp, n_p, x->Tc, x->W, p->sentinel, ch, ch->cu_real + x->cap));
+        NCP_TRY(framework_chunk(x->vl, n_r, vp, n_p, x->Tc, x->W, p->sentinel, ch, ch->cu_real + x->cap));
         int64_t *starts = buf + desc[2], *reals = buf + desc[4];
         starts[0] = 0; /* torch's int64 cumsum: wraps mod 2^64 on absurd lengths */
-        for (int64_t i = 0; i < n_p; ++i) starts[i + 1] = ncp_add_wrap_i64(starts[i], x->vp[i]);
+        for (int64_t i = 0; i < n_p; ++i) starts[i + 1] = ncp_add_wrap_i64(starts[i], vp[i]);
         memcpy(reals, x->vl, (size_t)n_r * sizeof(int64_t));
         desc[3] = n_p;
         desc[5] = n_r;
@@ -309,7 +335,8 @@ ncp_status ncp_mimo_layout(const ncp_mimo_layout_params *p, ncp_mimo_layout_info
 
     ncp_status st = NCP_OK;
     x.chunks = (mimo_chunk *)calloc((size_t)x.C, sizeof(mimo_chunk));
-    int64_t *vals = (int64_t *)malloc((size_t)x.cap * 2 * sizeof(int64_t));
+    /* vl (cap), then vp (C x cap), then n_vp (C) */
+    int64_t *vals = (int64_t *)malloc(((size_t)x.cap * (1 + (size_t)x.C) + (size_t)x.C) * sizeof(int64_t));
     x.i32 = (int32_t *)malloc((size_t)x.cap * (2 + 2 * (size_t)x.C) * sizeof(int32_t));
     if (x.chunks == NULL || vals == NULL || x.i32 == NULL) {
         st = ncp_set_error(NCP_ERR_NOMEM, NULL, 0, NULL, NULL, "out of host memory in mimo_layout");
@@ -317,6 +344,8 @@ ncp_status ncp_mimo_layout(const ncp_mimo_layout_params *p, ncp_mimo_layout_info
     }
     x.vl = vals;
     x.vp = vals + x.cap;
+    x.n_vp = x.vp + x.C * x.cap;
+    for (int64_t c = 0; c < x.C; ++c) x.n_vp[c] = -1;
     st = pass_mimo(p, &x);
     if (st == NCP_OK) st = pass_framework(p, &x);
     if (st == NCP_OK) pass_outputs(p, &x, info);
