@@ -1,7 +1,8 @@
 """The A/B scripts' CPU modes run end to end (``benchmarks/ab_host.py``, ``benchmarks/ab_mimo.py``
-with ``--device cpu``): this tree against itself, few repetitions, in a subprocess. They compare
-the two trees' outputs before timing, write the JSON that ``render_records.py`` renders, and
-that page block renders from it. Timings are not checked (benchmarks measure, tests do not)."""
+with ``--device cpu``; ``benchmarks/bench_mimo_layout.py``): this tree against itself, few
+repetitions, in a subprocess. They compare the two trees' outputs before timing (the layout A/B:
+compiles both), write the JSON that ``render_records.py`` renders, and that page block renders
+from it. Timings are not checked (benchmarks measure, tests do not)."""
 
 from __future__ import annotations
 
@@ -48,3 +49,17 @@ def test_ab_mimo_cpu(tmp_path, seq):
     assert all(r["seq"] == seq and r["device"] == "cpu" and r["ref_fastTE_us"] > 0 for r in data["rows"])
     page = render_records.render_ab_mimo([str(tmp_path / "ab.json")])
     assert f"S = {seq} tokens" in page and "CPU tokens" in page
+
+
+def test_bench_mimo_layout(tmp_path):
+    """The C layout pass's A/B (compiled with the system compiler against each tree's csrc/core)."""
+    import render_records
+
+    out = tmp_path / "layout.json"
+    run = subprocess.run([sys.executable, os.path.join("benchmarks", "bench_mimo_layout.py"), "--a", ".", "--b", ".",
+                          "--labels", "A", "B", "--rounds", "1", "--reps", "50", "--json", str(out)],
+                         capture_output=True, text=True, timeout=600, cwd=_ROOT)  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+    data = json.loads(out.read_text())
+    assert len(data["rows"]) == 3 and all(r["a_us"] > 0 and r["kernel_words"] > 0 for r in data["rows"])
+    assert "| B 8, S 32768, cp 8, 1 chunk |" in render_records.render_ab_host([str(out)])
