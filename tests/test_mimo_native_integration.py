@@ -324,6 +324,37 @@ def test_one_call_writes_every_output_and_nothing_else(cp, C, device, meta, ncp_
         assert torch.equal(view.cpu(), w.reshape(view.shape).to(view.dtype)), name
 
 
+@pytest.mark.parametrize("cp,C", [(1, 1), (8, 1), (8, 4), (6, 2)])
+def test_kernel_table_holds_what_the_rows_hold(cp, C, ncp_seed):
+    """The kernel table (the launch's parameter block on CUDA) is packed to the documents the rows
+    hold, not to the tables' width: 1 + 8 words a chunk of descriptors, then per chunk its TE
+    boundaries (int32, W > 1), its padding starts (documents + 1) and its real lengths."""
+    from torch.utils.dlpack import to_dlpack
+
+    g = gen(ncp_seed)
+    batch = make_mimo_batch(8, 2 * cp * 64, num_chunks=C, cp_size=cp, docs_per_row=(2, 9), generator=g)
+    sl, slp = batch["seq_lens"], batch["seq_lens_padded"]
+    pad = torch.cat([slp, torch.full((8, 7), -1000, dtype=slp.dtype)], 1)  # wider tables, same documents
+    real = torch.cat([sl, torch.full((8, 5), -1000, dtype=sl.dtype)], 1)
+    outputs = nat._OUT_PAD | (nat._OUT_TOKENS | nat._OUT_POS if cp > 1 else 0)
+    words = []
+    for a, b in ((sl, slp), (real, pad)):
+        plan = nat._plan((8, 2 * cp * 64, a.shape[1], b.shape[1], C, cp, outputs))
+        out = torch.empty(plan.out_words, dtype=torch.int64)
+        info = _C.mimo_run(input_ids=to_dlpack(batch["input_ids"]), labels=to_dlpack(batch["labels"]),
+                           position_ids=to_dlpack(batch["position_ids"]), seq_lens=to_dlpack(a),
+                           seq_lens_padded=to_dlpack(b), out=to_dlpack(out), host=None, num_chunks=C, cp_size=cp,
+                           cp_rank=0, image_token_id=None, video_token_id=None, sentinel=-1000, outputs=outputs,
+                           stream=None)  # fmt: skip
+        words.append(info[0])  # cu_off: the int32 outputs follow the kernel table
+    want = 1 + 8 * C
+    for c in range(C):
+        n_p = int((slp[c * 8 // C : (c + 1) * 8 // C] != -1000).sum())
+        n_r = int((sl[c * 8 // C : (c + 1) * 8 // C] != -1000).sum())
+        want += ((n_p + 2) // 2 if cp > 1 else 0) + n_p + 1 + n_r
+    assert words == [want, want]
+
+
 @pytest.mark.parametrize("device,meta", [("cpu", "cpu"), pytest.param("cuda", "cpu", marks=pytest.mark.cuda)],
                          ids=["cpu", "cuda_meta_cpu"])  # fmt: skip
 @pytest.mark.parametrize("cp,C", [(1, 1), (1, 2), (2, 1), (8, 1), (4, 4)])
@@ -441,9 +472,10 @@ def test_cuda_meta_cpu_kernel_table_paths(docs, block, C, ncp_seed):
     the launch's parameters when it fits in 30 KiB (the smallest of three blocks that holds it) and
     is staged through pinned memory otherwise; each equals the native CPU pass, at two ranks.
     (Small batches take the 8 KiB block: test_cuda_matches_cpu_and_oracle.) The table takes about
-    20 words per column of ``seq_lens_padded`` (csrc/core/mimo_layout.c: 2.5 per slot of a chunk's
-    rows plus one per real length, 8 rows), and the widest row sets the columns: the ranges of
-    documents per row put every seed's table in the block named."""
+    2.5 words per document (csrc/core/thd_layout.h: half a word per TE boundary, one per padding
+    start and one per real length, plus 8 a chunk): 8 rows of 56-64 documents make 1130-1290
+    words, of 110-150 make 2210-3010, of 400-600 over 8000, so every seed's table lands in the block
+    named."""
     from torch.utils.dlpack import to_dlpack
 
     g = gen(ncp_seed)

@@ -231,7 +231,7 @@ static ncp_status check_layout_args(const ncp_mimo_layout_params *p) {
 typedef struct {
     int64_t C, rpc, Tc, cap;
     int32_t W;
-    int64_t arrays0, cu_words, st_words, per_chunk; /* fixed per-chunk strides of the kernel table */
+    int64_t off;                                    /* the kernel table's next free word */
     mimo_chunk *chunks;
     int64_t *vl;                                    /* (cap,) a chunk's filtered real lengths */
     int64_t *vp;                                    /* (C, cap) every chunk's filtered padded lengths */
@@ -247,10 +247,7 @@ static ncp_status pass_mimo(const ncp_mimo_layout_params *p, layout_ctx *x) {
     buf[0] = x->C;
     for (int64_t c = 0; c < x->C; ++c) {
         int64_t *desc = buf + 1 + NCP_MIMO_DESC * c;
-        int64_t base = x->arrays0 + c * x->per_chunk;
-        desc[0] = base;
-        desc[2] = base + x->cu_words;
-        desc[4] = base + x->cu_words + x->st_words;
+        desc[0] = x->off; /* W <= 1: no boundaries (n_cu 0) */
         if (x->W <= 1) continue;
         int64_t *vp = x->vp + c * x->cap; /* kept for pass 2, which needs the same entries */
         int64_t n = x->n_vp[c] = filter_rows(p->seq_lens_padded, p->slp_dt, p->slp_st0, p->slp_st1, p->n_pad,
@@ -260,6 +257,7 @@ static ncp_status pass_mimo(const ncp_mimo_layout_params *p, layout_ctx *x) {
         memcpy(buf + desc[0], cu_te, (size_t)(n + 1) * sizeof(int32_t));
         desc[1] = n + 1;
         desc[6] = exact;
+        x->off += words_for_i32(n + 1);
     }
     return NCP_OK;
 }
@@ -278,6 +276,9 @@ static ncp_status pass_framework(const ncp_mimo_layout_params *p, layout_ctx *x)
         mimo_chunk *ch = &x->chunks[c];
         ch->cu_real = x->i32 + 2 * x->cap + 2 * c * x->cap;
         NCP_TRY(framework_chunk(x->vl, n_r, vp, n_p, x->Tc, x->W, p->sentinel, ch, ch->cu_real + x->cap));
+        desc[2] = x->off; /* the table holds what the rows hold, not their capacity */
+        desc[4] = x->off + n_p + 1;
+        x->off += n_p + 1 + n_r;
         int64_t *starts = buf + desc[2], *reals = buf + desc[4];
         starts[0] = 0; /* torch's int64 cumsum: wraps mod 2^64 on absurd lengths */
         for (int64_t i = 0; i < n_p; ++i) starts[i + 1] = ncp_add_wrap_i64(starts[i], vp[i]);
@@ -301,7 +302,7 @@ static void pass_outputs(const ncp_mimo_layout_params *p, const layout_ctx *x, n
     }
     int64_t *buf = p->buf;
     const int32_t pad = (int32_t)sentinel_in(NCP_DT_I32, p->sentinel); /* the stacked rows' fill, int32 */
-    info->kernel_words = x->arrays0 + x->C * x->per_chunk;
+    info->kernel_words = x->off;
     info->cu_off = info->kernel_words;
     info->cu_width = cu_width;
     write_rows((int32_t *)(buf + info->cu_off), x->chunks, x->C, cu_width, x->W > 1, pad);
@@ -327,10 +328,7 @@ ncp_status ncp_mimo_layout(const ncp_mimo_layout_params *p, ncp_mimo_layout_info
     x.W = p->cp_size;
     const int64_t dr = x.rpc * p->n_real, dp = x.rpc * p->n_pad;
     x.cap = (dr > dp ? dr : dp) + 2;
-    x.cu_words = words_for_i32(dp + 1);
-    x.st_words = dp + 1;
-    x.arrays0 = 1 + NCP_MIMO_DESC * x.C;
-    x.per_chunk = x.cu_words + x.st_words + (dr > 0 ? dr : 1);
+    x.off = 1 + NCP_MIMO_DESC * x.C; /* the descriptors, then each chunk's arrays as filled */
     memset(p->buf, 0, (size_t)p->buf_words * sizeof(int64_t));
 
     ncp_status st = NCP_OK;

@@ -124,6 +124,10 @@ NCP_HD int ncp_mimo_is_padding(const int64_t *starts, int64_t n_slots, const int
  *     [2] st_off   [3] n_slots  padding-mask starts (n_slots + 1 entries)
  *     [4] re_off   [5] n_reals  padding-mask real lengths
  *     [6] same_docs             1: the padding starts equal the partition boundaries (W > 1)
+ *   then the arrays, packed in the order they are filled (every chunk's boundaries, then every
+ *   chunk's starts and real lengths): the table holds what the rows hold, not the tables' capacity,
+ *   about 2.5 words per document (B = 8 rows of 16-64 documents: about 6 KiB, the launch's
+ *   8 KiB parameter block).
  */
 #define NCP_MIMO_DESC 8
 
