@@ -56,17 +56,20 @@ def main() -> int:
         bins = {k: build(t, os.path.join(tmp, k)) for k, t in (("a", args.a), ("b", args.b))}
         rows = []
         for name, B, S, cp, lo, hi, C in CASES:
-            res = {"a": [], "b": []}
+            res, words = {"a": [], "b": []}, {}
             for rnd in range(args.rounds):
                 for key in ("a", "b") if rnd % 2 == 0 else ("b", "a"):
                     run = subprocess.run([bins[key], str(B), str(S), str(cp), str(lo), str(hi), str(C), str(args.reps),
                                           "1"], capture_output=True, text=True, check=True)  # fmt: skip
                     us, kw, tw = run.stdout.split()
                     res[key].append(float(us))
+                    words[key] = (int(kw), int(tw))  # the same tables every run
             a, b = statistics.median(res["a"]), statistics.median(res["b"])
             rows.append({"call": name, "a_us": round(a, 3), "b_us": round(b, 3), "b_over_a": round(b / a, 4),
-                         "kernel_words": int(kw), "total_words": int(tw), "runs": res})  # fmt: skip
-            print(f"{name:32s} A {a:7.3f} us | B {b:7.3f} us | B/A {b / a:.4f} (table {kw} words)", flush=True)
+                         "kernel_words": {k: w[0] for k, w in words.items()},
+                         "total_words": {k: w[1] for k, w in words.items()}, "runs": res})  # fmt: skip
+            print(f"{name:32s} A {a:7.3f} us | B {b:7.3f} us | B/A {b / a:.4f} (kernel table: A {words['a'][0]}, "
+                  f"B {words['b'][0]} words)", flush=True)  # fmt: skip
     if args.json:
         a_name, b_name = args.labels or (args.a, args.b)
         method = (f"ncp_mimo_layout alone, host clock, median of 15 batches of {args.reps} calls per run, "
