@@ -37,7 +37,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--a", required=True)
     ap.add_argument("--b", required=True)
-    ap.add_argument("--labels", nargs=2, metavar=("A", "B"), help="names of the two trees in the JSON (default: the paths)")
+    ap.add_argument("--labels", nargs=2, metavar=("A", "B"),
+                    help="names of the two trees in the JSON (default: the paths)")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--rounds", type=int, default=30, help="rounds, A and B alternating (default 30)")
     ap.add_argument("--reps", type=int, default=500, help="single calls timed per round (default 500)")
@@ -118,9 +119,10 @@ def main() -> int:
         a_name, b_name = args.labels or (args.a, args.b)
         method = ("host clock, one call behind a queued GPU spin, median of reps" if cuda else
                   "host clock, one call on CPU tensors (T = 4, Hq = 2, Hkv = 1, D = 64), median of reps")  # fmt: skip
+        rec = {"env": env_record(), "a": a_name, "b": b_name, "device": args.device,
+               "method": method + "; median of rounds (round robin A/B)", "rows": rows}
         with open(args.json, "w") as f:
-            json.dump({"env": env_record(), "a": a_name, "b": b_name, "device": args.device,
-                       "method": method + "; median of rounds (round robin A/B)", "rows": rows}, f, indent=1)  # fmt: skip
+            json.dump(rec, f, indent=1)
     return 0
 
 

@@ -54,7 +54,8 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--seq", type=int, help="tokens per row (default 32768 on cuda, 256 on cpu)")
-    ap.add_argument("--labels", nargs=2, metavar=("A", "B"), help="names of the two trees in the JSON (default: the paths)")
+    ap.add_argument("--labels", nargs=2, metavar=("A", "B"),
+                    help="names of the two trees in the JSON (default: the paths)")
     ap.add_argument("--json")
     args = ap.parse_args()
     cuda = args.device == "cuda"

@@ -57,7 +57,8 @@ int main(int argc, char **argv) {
                 continue;
             }
             const int64_t rest = nd - 1 - j; /* documents after this one, one unit each at least */
-            const int64_t u = j == nd - 1 ? left : uniform(1, (left - rest) / (rest + 1) * 2 > 1 ? (left - rest) / (rest + 1) * 2 : 1);
+            const int64_t fair = (left - rest) / (rest + 1) * 2; /* twice an even share of what is left */
+            const int64_t u = j == nd - 1 ? left : uniform(1, fair > 1 ? fair : 1);
             const int64_t take = u > left - rest ? left - rest : u;
             *p = take * unit;
             *r = uniform(1, *p);

@@ -36,7 +36,8 @@ def build(tree: str, out: str) -> str:
     core = os.path.join(tree, "csrc", "core")
     srcs = [os.path.join(_HERE, "bench_mimo_layout.c")] + [os.path.join(core, f) for f in
                                                          ("mimo_layout.c", "status.c", "common.c")]  # fmt: skip
-    cmd = [cc, "-O3", "-fwrapv", "-std=c11", "-I" + os.path.join(tree, "csrc", "include"), "-I" + core, *srcs, "-o", out]
+    inc = ["-I" + os.path.join(tree, "csrc", "include"), "-I" + core]
+    cmd = [cc, "-O3", "-fwrapv", "-std=c11", *inc, *srcs, "-o", out]
     subprocess.run(cmd, check=True)
     return out
 
@@ -45,7 +46,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--a", required=True)
     ap.add_argument("--b", required=True)
-    ap.add_argument("--labels", nargs=2, metavar=("A", "B"), help="names of the two trees in the JSON (default: the paths)")
+    ap.add_argument("--labels", nargs=2, metavar=("A", "B"),
+                    help="names of the two trees in the JSON (default: the paths)")
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--reps", type=int, default=20000)
     ap.add_argument("--json")

@@ -20,7 +20,8 @@ on the host. The returned tensors are views of these, made only for the outputs 
 (the host cost of a call is mostly the making of tensor objects): with one chunk, one
 ``unsafe_split_with_sizes`` of the int64 buffer (pieces sharing its storage without autograd view
 tracking, which integer and bool tensors never use: 0.2 us less per piece than ``split_with_sizes``),
-whose mask words are viewed as bool and split again and whose layout block is viewed as int32 (``cu_seqlens`` a slice of it, ``max_seqlen`` an element);
+whose mask words are viewed as bool and split again and whose layout block is viewed as int32
+(``cu_seqlens`` a slice of it, ``max_seqlen`` an element);
 ``as_strided`` otherwise. Tensors cross to C as ``torch.utils.dlpack.to_dlpack`` capsules, and C
 checks their dtypes (Python only those of ``seq_lens*`` it copies off a GPU).
 

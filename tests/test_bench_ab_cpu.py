@@ -61,5 +61,6 @@ def test_bench_mimo_layout(tmp_path):
                          capture_output=True, text=True, timeout=600, cwd=_ROOT)  # fmt: skip
     assert run.returncode == 0, run.stdout + run.stderr
     data = json.loads(out.read_text())
-    assert len(data["rows"]) == 3 and all(r["a_us"] > 0 and r["kernel_words"]["a"] == r["kernel_words"]["b"] > 0 for r in data["rows"])
+    assert len(data["rows"]) == 3
+    assert all(r["a_us"] > 0 and r["kernel_words"]["a"] == r["kernel_words"]["b"] > 0 for r in data["rows"])
     assert "| B 8, S 32768, cp 8, 1 chunk |" in render_records.render_ab_host([str(out)])
