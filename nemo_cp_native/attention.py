@@ -103,15 +103,21 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, sink: Optional[Tensor], scale: float, 
     lse = q.new_empty((q.shape[1], q.shape[0]), dtype=_F32)
     if q.shape[0] == 0:  # no query rows: nothing to compute (empty tensors carry NULL data pointers)
         return out, lse
-    stream, cu, lo, hi = stream_of(q.device), mask.cu_seqlens, mask.row_lo, mask.row_hi
+    stream, cu = stream_of(q.device), mask.cu_seqlens
     try:  # capsules made inline (the dict of ``capsules`` and a ** call cost host time before the launch)
-        _C.sink_attn_fwd(q=to_dlpack(q), k=to_dlpack(k), v=to_dlpack(v), sink=None if sink is None else to_dlpack(sink),
-                         out=to_dlpack(out), lse=to_dlpack(lse), scale=scale, stream=stream,
-                         cu_seqlens=None if cu is None else to_dlpack(cu), row_lo=None if lo is None else to_dlpack(lo),
-                         row_hi=None if hi is None else to_dlpack(hi), window=mask.window)  # fmt: skip
+        if cu is not None:  # documents (sink_attention): only the keywords it needs (each one costs C parsing)
+            _C.sink_attn_fwd(q=to_dlpack(q), k=to_dlpack(k), v=to_dlpack(v),
+                             sink=None if sink is None else to_dlpack(sink), out=to_dlpack(out), lse=to_dlpack(lse),
+                             scale=scale, stream=stream, cu_seqlens=to_dlpack(cu), window=mask.window)  # fmt: skip
+        else:  # a table (the Flint step)
+            lo, hi = mask.row_lo, mask.row_hi
+            _C.sink_attn_fwd(q=to_dlpack(q), k=to_dlpack(k), v=to_dlpack(v),
+                             sink=None if sink is None else to_dlpack(sink), out=to_dlpack(out), lse=to_dlpack(lse),
+                             scale=scale, stream=stream, row_lo=None if lo is None else to_dlpack(lo),
+                             row_hi=None if hi is None else to_dlpack(hi), window=mask.window)  # fmt: skip
     except BufferError:  # which argument DLPack refused (meta tensors), with its name
-        capsules({"q": q, "k": k, "v": v, "sink": sink, "out": out, "lse": lse, "cu_seqlens": cu, "row_lo": lo,
-                  "row_hi": hi})  # fmt: skip
+        capsules({"q": q, "k": k, "v": v, "sink": sink, "out": out, "lse": lse, "cu_seqlens": cu,
+                  "row_lo": mask.row_lo, "row_hi": mask.row_hi})  # fmt: skip
         raise
     return out, lse
 
