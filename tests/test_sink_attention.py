@@ -903,3 +903,74 @@ def test_kernel_launched_before_the_autograd_node(monkeypatch, ncp_seed):
         grads.append([out.detach(), lse.detach()] + [t.grad for t in leaves])
     for a, b in zip(*grads):
         assert torch.equal(a, b)
+
+
+# ------------------------------------------------------------------------------------------
+# The deterministic Hopper backward's turn sets (sm90_bwd_parts.cuh, DqTurns), mirrored
+# ------------------------------------------------------------------------------------------
+
+
+def _mask_questions(lo, hi, tq, tk, kind, cu=None, window=0):
+    """Python mirrors of mask.cuh's questions: rows_seeing(k0, k1) and q_range's key-tile range."""
+
+    def rows_seeing(k0, k1):
+        if kind == "docs":
+            d = max(i for i in range(len(cu) - 1) if cu[i] <= k1) if cu[0] <= k1 else 0
+            end = min(cu[d + 1], tq) if d + 1 < len(cu) else tq
+            r1 = end - 1 if window <= 0 else min(end - 1, k1 + window - 1)
+            return k0, min(r1, tq - 1)
+        r0 = next((i for i in range(tq) if hi[i] >= k0), tq)  # first row with hi >= k0
+        r1 = next((i for i in range(tq) if lo[i] > k1), tq) - 1  # last row with lo <= k1
+        return r0, r1
+
+    def q_range(q0, bm, bn):
+        q_last = min(q0 + bm, tq) - 1
+        lo_first, hi_last = max(lo[q0], 0), min(hi[q_last], tk - 1)
+        return lo_first // bn, (hi_last // bn if hi_last >= lo_first else lo_first // bn - 1)
+
+    return rows_seeing, q_range
+
+
+@pytest.mark.parametrize("kind", ["docs", "docs-window", "table"])
+def test_dq_turn_sets_match_the_items(kind, ncp_seed):
+    """The deterministic Hopper backward orders the dQ additions of a q tile of 64 rows among the
+    key tiles of 128 keys in q_range's [kt_lo, kt_hi]; the key tiles that add into it are those
+    whose q_tiles_seeing holds it. Deadlock freedom needs the two sets equal (a counted tile that
+    never adds leaves a turn unreachable): checked here on Python mirrors of mask.cuh, for random
+    documents (causal and windowed) and random non-decreasing tables with empty rows (as the CUDA
+    tests' tables). Tiles whose rows all see nothing may be held by q_tiles_seeing only: their
+    additions are zeros, and an empty q_range lets them add unordered."""
+    g = torch.Generator().manual_seed(ncp_seed)
+    for trial in range(12):
+        if kind.startswith("docs"):
+            total = int(torch.randint(200, 1500, (1,), generator=g))
+            lengths = doc_lengths(total, "random", mean=int(torch.randint(20, 400, (1,), generator=g)), generator=g)
+            cu = [0]
+            for n in lengths:
+                cu.append(cu[-1] + n)
+            window = int(torch.randint(1, 300, (1,), generator=g)) if kind == "docs-window" else 0
+            tq = tk = total
+            doc = [max(i for i in range(len(cu) - 1) if cu[i] <= t) for t in range(tq)]
+            lo = [max(cu[doc[i]], i - window + 1) if window > 0 else cu[doc[i]] for i in range(tq)]
+            hi = [min(i, tk - 1) for i in range(tq)]
+        else:
+            tq, tk = int(torch.randint(64, 900, (1,), generator=g)), int(torch.randint(64, 900, (1,), generator=g))
+            lo_t = torch.randint(0, 3 * tk // 4, (tq,), generator=g).sort().values
+            hi_t = (lo_t + torch.randint(-8, tk // 4, (tq,), generator=g)).clamp(-1, tk - 1).cummax(0).values
+            lo, hi, cu, window = lo_t.tolist(), hi_t.tolist(), None, 0
+        rows_seeing, q_range = _mask_questions(lo, hi, tq, tk, "docs" if kind.startswith("docs") else "table", cu, window)
+        n_kt, n_qt = (tk + 127) // 128, (tq + 63) // 64
+        adds = {qt: set() for qt in range(n_qt)}
+        for kt in range(n_kt):
+            r0, r1 = rows_seeing(kt * 128, min(kt * 128 + 128, tk) - 1)
+            if r1 >= r0:
+                for qt in range(r0 // 64, r1 // 64 + 1):
+                    adds[qt].add(kt)
+        for qt in range(n_qt):
+            a, b = q_range(qt * 64, 64, 128)
+            counted = set(range(a, b + 1))
+            rows = range(qt * 64, min(qt * 64 + 64, tq))
+            if any(lo[i] <= hi[i] for i in rows):
+                assert counted == adds[qt], (kind, trial, qt)
+            else:  # nothing seen: no turn is counted, and what adds adds zeros
+                assert not counted or counted == adds[qt], (kind, trial, qt)
