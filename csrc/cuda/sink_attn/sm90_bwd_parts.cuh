@@ -210,8 +210,9 @@ struct KeyVis {
  * staged tiles (dq_full); D = 128: one 64 x 64 column block each, two bulk reductions into one
  * dQ tile; D = 64: both hold the whole tile's partial sums (each over its own 64 keys), added
  * here in shared memory, warpgroup 0's first, so one reduction adds the CTA's share. Then the wait
- * for its turn, the reduction(s), the wait until they read the staging (dq_empty: the consumers
- * may restage), the wait until they complete, and the count. */
+ * for its turn, the reduction(s) as one bulk group, the wait until they read the staging
+ * (dq_empty: the consumers may restage), and the previous item's count once its group completed
+ * (waiting for this item's own completion here held the consumers back: docs/EXPERIMENTS.md). */
 struct DqTurns {
     const tile_order o;
     int32_t *turn, *timeout;
@@ -272,6 +273,7 @@ struct DqTurns {
     __device__ __forceinline__ void write(const KvItems &w, const Bars &bar, uint32_t stage, float *dq_accum,
                                           const Mask &mask) const {
         const int lane = threadIdx.x & 31;
+        int32_t *pending = nullptr; /* lane 0: the count of the item whose group is in flight */
         for (int it = 0; it < w.n_it; ++it) {
             const int h = w.head(it), q0 = w.q0(it);
             const int n = turn_at(mask, q0);
@@ -303,19 +305,32 @@ struct DqTurns {
                 asm volatile("fence.proxy.async.global;\n" ::: "memory");
                 float *dst = dq_accum + ((int64_t)h * n_qt + q0 / KQB) * (D / 64) * 4096;
                 if (D == 128) {
-                    sm90::bulk_reduce_add_f32(dst, stage, 64 * 64 * 4);
-                    sm90::bulk_reduce_add_f32(dst + 4096, stage + 64 * 64 * 4, 64 * 64 * 4);
+                    reduce(dst, stage);
+                    reduce(dst + 4096, stage + 64 * 64 * 4);
                 } else if (!(none0 && none1)) {
-                    sm90::bulk_reduce_add_f32(dst, src, 64 * 64 * 4);
+                    reduce(dst, src);
                 }
+                sm90::bulk_commit(); /* one group per item (possibly empty) */
                 sm90::bulk_wait_read<0>();
                 sm90::mbar_arrive(bar.dq_empty(0));
                 sm90::mbar_arrive(bar.dq_empty(1));
-                sm90::bulk_wait<0>();
-                count_one(count);
+                if (pending != nullptr) { /* the previous item's group has completed by now, mostly */
+                    sm90::bulk_wait<1>();
+                    count_one(pending);
+                }
+                pending = count;
             }
             __syncwarp();
         }
+        if (lane == 0 && pending != nullptr) {
+            sm90::bulk_wait<0>();
+            count_one(pending);
+        }
+    }
+    static __device__ __forceinline__ void reduce(float *dst, uint32_t src) {
+        asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst), "r"(src),
+                     "n"(64 * 64 * 4)
+                     : "memory");
     }
 };
 
