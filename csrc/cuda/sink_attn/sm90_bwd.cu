@@ -46,7 +46,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     __syncthreads();
     const Mask mask(p);
     const int kt = ws.kv.order != nullptr ? __ldg(ws.kv.order + blockIdx.y) : blockIdx.y; /* longest first */
-    const KvItems w(mask, blockIdx.x, kt * KVB, p.Hq / p.Hkv);
+    const KvItems<ORD> w(mask, blockIdx.x, kt * KVB, p.Hq / p.Hkv);
     const int wg = threadIdx.x / 128;
     if (wg == 0) {
         Split::producer(); /* 24 registers; warp 1's key bounds (documents: a binary search) fit */
@@ -59,7 +59,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         return;
     }
     Split::consumer();
-    DkdvConsumer<T, D> c(p, w, bar, base, s_l2, s_dl, s_kb, sm90::warp_uniform(wg - 1));
+    DkdvConsumer<T, D, KvItems<ORD>> c(p, w, bar, base, s_l2, s_dl, s_kb, sm90::warp_uniform(wg - 1));
     sm90::mbar_wait(bar.stat(), 0);
     c.template run<SKIP, ORD>(ws.dq_accum);
     c.store(b);

@@ -32,10 +32,10 @@ namespace bwd90 {
 
 #ifdef NCP_SM90_DEVICE
 /* Mask-agnostic: the mask reaches the consumers only as the producer's key bounds (KeyVis). */
-template <typename T, int D> struct DkdvConsumer {
+template <typename T, int D, class Items> struct DkdvConsumer {
     using L = Layout<D, KVB, KQB>;
     const ncp_sink_attn_params &p;
-    const KvItems &w;
+    const Items &w;
     const Bars bar;
     const uint32_t base;
     const float *s_l2, *s_dl;
@@ -44,7 +44,7 @@ template <typename T, int D> struct DkdvConsumer {
     const KeyVis vis;
     float dk[D / 2], dv[D / 2];
 
-    __device__ __forceinline__ DkdvConsumer(const ncp_sink_attn_params &p_, const KvItems &w_, Bars bar_,
+    __device__ __forceinline__ DkdvConsumer(const ncp_sink_attn_params &p_, const Items &w_, Bars bar_,
                                             uint32_t base_, const float *l2, const float *dl, const uint16_t *kb, int cw_)
         : p(p_), w(w_), bar(bar_), base(base_), s_l2(l2), s_dl(dl), cw(cw_), warp((threadIdx.x & 127) >> 5),
           lane(threadIdx.x & 31), tq(lane & 3), krow0(64 * cw_ + 16 * warp + (lane >> 2)),

@@ -83,8 +83,10 @@ struct Bars {
 static_assert(8 * (5 + 3 * kStages) + 8 <= 128, "the barriers and words fit the layout's 128 bytes");
 
 /* The (query head, q tile) items of a dK/dV CTA: the q tiles [qt_lo, qt_lo + n_q) that see a key
- * of [k0, k0 + KVB), for each of the G query heads of its kv head. */
-struct KvItems {
+ * of [k0, k0 + KVB), for each of the G query heads of its kv head; ascending, or descending in the
+ * deterministic mode (DqTurns: there key tile j - 1, which adds into a q tile before tile j, then
+ * reaches it no later than tile j does). */
+template <bool DESC> struct KvItems {
     int g_kv, k0, G, qt_lo, n_q, n_it;
     template <class Mask> __device__ __forceinline__ KvItems(const Mask &mask, int g_kv_, int k0_, int G_)
         : g_kv(g_kv_), k0(k0_), G(G_) {
@@ -92,7 +94,9 @@ struct KvItems {
         n_it = n_q * G;
     }
     __device__ __forceinline__ int head(int it) const { return g_kv * G + it / n_q; }
-    __device__ __forceinline__ int q0(int it) const { return (qt_lo + it % n_q) * KQB; }
+    __device__ __forceinline__ int q0(int it) const {
+        return (DESC ? qt_lo + n_q - 1 - it % n_q : qt_lo + it % n_q) * KQB;
+    }
 };
 
 /* Which of the CTA's keys k0 + d (0 <= d < KVB) row q sees, for the mask pass: a <= d < b, packed
@@ -107,8 +111,8 @@ template <class Mask> __device__ __forceinline__ uint16_t key_bounds(const Mask 
 /* dK/dV producer. Thread 0: K and V once, then Q and dO of every item. Warp 1: lse * log2(e) and
  * Delta of every item's 64 rows into shared memory, and their key bounds (key_bounds), so the
  * consumers' mask pass is one shared load and two compares per query, whatever the mask. */
-template <int D, class Mask>
-__device__ __forceinline__ void produce_dkdv(const KvItems &w, const Bars &bar, uint32_t sK, uint32_t sV, uint32_t sQ0,
+template <int D, class Mask, class Items>
+__device__ __forceinline__ void produce_dkdv(const Items &w, const Bars &bar, uint32_t sK, uint32_t sV, uint32_t sQ0,
                                              uint32_t sO0, float *s_l2, float *s_dl, uint16_t *s_kb, const Mask &mask,
                                              const ncp_sink_attn_params &p, const float *delta, const CUtensorMap *tm_k,
                                              const CUtensorMap *tm_v, const CUtensorMap *tm_q, const CUtensorMap *tm_do) {
@@ -211,8 +215,7 @@ struct KeyVis {
  * dQ tile; D = 64: both hold the whole tile's partial sums (each over its own 64 keys), added
  * here in shared memory, warpgroup 0's first, so one reduction adds the CTA's share. Then the wait
  * for its turn, the reduction(s) as one bulk group, the wait until they read the staging
- * (dq_empty: the consumers may restage), and the previous item's count once its group completed
- * (waiting for this item's own completion here held the consumers back: docs/EXPERIMENTS.md). */
+ * (dq_empty: the consumers may restage), the wait until they complete, and the count. */
 struct DqTurns {
     const tile_order o;
     int32_t *turn, *timeout;
@@ -269,11 +272,10 @@ struct DqTurns {
         asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(count) : "memory");
     }
 
-    template <int D, class Mask>
-    __device__ __forceinline__ void write(const KvItems &w, const Bars &bar, uint32_t stage, float *dq_accum,
+    template <int D, class Mask, class Items>
+    __device__ __forceinline__ void write(const Items &w, const Bars &bar, uint32_t stage, float *dq_accum,
                                           const Mask &mask) const {
         const int lane = threadIdx.x & 31;
-        int32_t *pending = nullptr; /* lane 0: the count of the item whose group is in flight */
         for (int it = 0; it < w.n_it; ++it) {
             const int h = w.head(it), q0 = w.q0(it);
             const int n = turn_at(mask, q0);
@@ -314,17 +316,10 @@ struct DqTurns {
                 sm90::bulk_wait_read<0>();
                 sm90::mbar_arrive(bar.dq_empty(0));
                 sm90::mbar_arrive(bar.dq_empty(1));
-                if (pending != nullptr) { /* the previous item's group has completed by now, mostly */
-                    sm90::bulk_wait<1>();
-                    count_one(pending);
-                }
-                pending = count;
+                sm90::bulk_wait<0>(); /* counted at once: the next key tile waits for it */
+                count_one(count);
             }
             __syncwarp();
-        }
-        if (lane == 0 && pending != nullptr) {
-            sm90::bulk_wait<0>();
-            count_one(pending);
         }
     }
     static __device__ __forceinline__ void reduce(float *dst, uint32_t src) {
