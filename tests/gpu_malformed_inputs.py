@@ -9,9 +9,8 @@ Every call goes through the public API: ``thd_partition_indices(..., validate=Fa
 boundaries (negative, decreasing, past the end, near the int32 limits), the MiMo sharder on odd but
 accepted tables (sentinels, absorption, zero-length documents, int32 tokens, strided inputs),
 ``sink_attention(..., validate=False)`` with ``cu_seqlens`` that do not start at 0, decrease, end
-before or after T or point far outside (also with the deterministic backward, whose ordered dQ
-additions must not wait forever on such a mask), non-finite q/k/v/sink, and the Flint CP attention with
-NaN inputs. A call may raise (a clear error is fine); what must not happen is an out-of-bounds
+before or after T or point far outside (also with the deterministic backward), non-finite
+q/k/v/sink, and the Flint CP attention with NaN inputs. A call may raise (a clear error is fine); what must not happen is an out-of-bounds
 access, which memcheck reports. Prints one line per group and "done" at the end.
 """
 
@@ -96,7 +95,7 @@ def attention(dev):
                     c = torch.tensor(cu, dtype=torch.int32, device=dev)
                     attempt(_fwd_bwd, q, k, v, sink, c, window)
                     attempt(_fwd_bwd, q, k, v, None, c, window)
-                    if dev == "cuda" and dtype == torch.bfloat16 and window != 1:  # ordered dQ (DqTurns)
+                    if dev == "cuda" and dtype == torch.bfloat16 and window != 1:  # the deterministic backward too
                         saved = os.environ.get("NCP_DETERMINISTIC")
                         os.environ["NCP_DETERMINISTIC"] = "1"
                         try:

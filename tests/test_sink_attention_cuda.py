@@ -269,8 +269,8 @@ def test_cuda_strided_views_of_packed_qkv(d, window, ncp_seed, kernel):
 def test_cuda_backward_is_deterministic(table, d, window, ncp_seed, kernel, monkeypatch):
     """Bitwise repeatable under NCP_DETERMINISTIC=1 (also the portable kernels' only mode), for
     both masks and head dims, with and without the skipping kernels (a window, or a table's window
-    hint). On Hopper a dQ tile takes up to about 60 key tiles' additions here (causal, documents of
-    about 4k tokens; one kv head: 8 query heads per CTA), in the grid's order (DqTurns); three runs."""
+    hint), on long documents (about 4k tokens; one kv head, so 8 query heads per dK/dV CTA); three
+    runs."""
     monkeypatch.setenv("NCP_DETERMINISTIC", "1")
     g = torch.Generator().manual_seed(ncp_seed)
     if table:
@@ -291,11 +291,10 @@ def test_cuda_backward_is_deterministic(table, d, window, ncp_seed, kernel, monk
 
 @pytest.mark.parametrize("table", [False, True])
 def test_cuda_backward_tile_orders_change_no_bit(table, ncp_seed, monkeypatch):
-    """The Hopper backward grid takes its tiles longest first within chunks of waves (launch.h).
-    Any order gives the same dk, dv, dsink bits (every CTA sums its own in a fixed order) and dq
-    within rounding; the deterministic mode adds each dQ tile's partial sums in the grid's order,
-    so its dq is bitwise repeatable for each order (run twice). Orders: index order, the default,
-    one-wave chunks, the whole grid as one chunk."""
+    """The Hopper backward grids take their tiles longest first within chunks of waves (launch.h).
+    Any order gives the same gradients: bitwise in the deterministic mode (every CTA sums in its own
+    fixed order), and dk, dv, dsink bitwise with dq within rounding in the atomic-dQ mode. Orders:
+    index order, the default, one-wave chunks, the whole grid as one chunk."""
     if not _hopper():
         pytest.skip("needs the Hopper kernels (sm_90a build, compute capability 9.0)")
     g = torch.Generator().manual_seed(ncp_seed)
@@ -312,12 +311,9 @@ def test_cuda_backward_tile_orders_change_no_bit(table, ncp_seed, monkeypatch):
         for waves in (-1, 0, 1, 1 << 20):
             with attn_debug(order_waves=waves):
                 runs.append(attn_backward(dout, q, k, v, s, out, lse, mask, 0.09))
-                if det:
-                    again = attn_backward(dout, q, k, v, s, out, lse, mask, 0.09)
-                    assert torch.equal(runs[-1][0], again[0]), f"dq repeated (order_waves={waves})"
         for run in runs[1:]:
             for name, a_, b_ in zip(("dq", "dk", "dv", "dsink"), runs[0], run):
-                if name == "dq":
+                if name == "dq" and not det:
                     torch.testing.assert_close(a_, b_, rtol=1e-2, atol=1e-2)
                 else:
                     assert torch.equal(a_, b_), f"{name} (deterministic={det})"

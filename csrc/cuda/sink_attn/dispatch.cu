@@ -6,9 +6,9 @@
  *
  *   forward   Hopper (sm90_fwd.cu) on compute capability 9.0 with an sm_90a build, else the
  *             portable mma.sync kernel (portable_fwd.cu)
- *   backward  pre-pass (Delta, dsink; on Hopper the grid's longest-first tile order) always;
- *             then on Hopper the dK/dV kernel adding dQ into an fp32 workspace, in any order
- *             (default) or in a fixed order per dQ tile (deterministic); elsewhere the portable
+ *   backward  pre-pass (Delta, dsink; on Hopper the grids' longest-first tile orders) always;
+ *             then on Hopper the dK/dV kernel with dQ added atomically into an fp32 workspace
+ *             (default) or the deterministic dK/dV + dQ pair; elsewhere the portable
  *             (deterministic) kernels
  * The test hooks (ncp_attn_debug: portable kernels, persistent grid size, whole tiles, backward
  * orders) are one struct set from Python and read once per call; no environment variable is read
@@ -40,7 +40,7 @@ int sm_count(int dev) {
 struct choice {
     attn_config cfg;
     bool sm90;      /* Hopper kernels */
-    bool ordered;   /* backward: dQ additions in a fixed order (Hopper, deterministic) */
+    bool atomic_dq; /* backward: dQ by atomic reductions (Hopper, not deterministic) */
 };
 
 ncp_status choose(int deterministic, choice *c) {
@@ -53,31 +53,31 @@ ncp_status choose(int deterministic, choice *c) {
     c->cfg.whole_tiles = d.whole_tiles;
     c->cfg.order_waves = d.order_waves == 0 ? kOrderWaves : d.order_waves;
     c->sm90 = !d.portable && ncp_sm90_usable();
-    c->ordered = c->sm90 && deterministic;
+    c->atomic_dq = c->sm90 && !deterministic;
     return NCP_OK;
 }
 
 int32_t tiles_of(int32_t rows, int tile) { return rows <= 0 ? 0 : (int32_t)(((int64_t)rows + tile - 1) / tile); }
 
 /* Byte offsets of the backward workspace's parts (each 256-byte aligned) and its total: Delta,
- * dsink partials, the Hopper grid's tile work and order, the dQ tiles' turn counts (deterministic
- * Hopper backward), the Hopper dQ accumulator. */
+ * dsink partials, the Hopper grids' tile work and orders (dK/dV always, dQ when deterministic),
+ * the atomic-dQ accumulator. */
 struct ws_layout {
-    int64_t delta, part, kv, turn, acc, total;
-    int32_t n_part, n_kv;
+    int64_t delta, part, kv, q, acc, total;
+    int32_t n_part, n_kv, n_q;
 };
 ws_layout layout_of(int32_t Tq, int32_t Tk, int32_t Hq, int32_t D, bool has_sink, const choice &c) {
     auto up = [](int64_t x) { return (x + 255) / 256 * 256; };
     ws_layout w;
-    const int64_t n_qt = Tq <= 0 ? 0 : ((int64_t)Tq + 63) / 64;
     w.n_part = Tq <= 0 ? 1 : (int32_t)(((int64_t)Tq + kPreRows - 1) / kPreRows);
     w.n_kv = c.sm90 ? tiles_of(Tk, kBwdKvTile) : 0;
+    w.n_q = c.sm90 && !c.atomic_dq ? tiles_of(Tq, kBwdQTile) : 0;
     w.delta = 0;
     w.part = up((int64_t)Hq * Tq * 4);
     w.kv = w.part + (has_sink ? up((int64_t)Hq * w.n_part * 4) : 0);
-    w.turn = w.kv + up((int64_t)w.n_kv * 8);
-    w.acc = w.turn + (c.ordered ? up((Hq * n_qt + 1) * 4) : 0);
-    w.total = w.acc + (c.sm90 ? (int64_t)Hq * n_qt * 64 * D * 4 : 0);
+    w.q = w.kv + up((int64_t)w.n_kv * 8);
+    w.acc = w.q + up((int64_t)w.n_q * 8);
+    w.total = w.acc + (c.atomic_dq ? (int64_t)Hq * ((Tq + 63) / 64) * 64 * D * 4 : 0);
     return w;
 }
 
@@ -120,7 +120,7 @@ extern "C" void ncp_sink_attn_kernels(int32_t deterministic, const char **fwd, c
         return;
     }
     *fwd = c.sm90 ? "sm90" : "portable";
-    *bwd = c.sm90 ? (c.ordered ? "sm90-deterministic" : "sm90-atomic-dq") : "portable";
+    *bwd = c.sm90 ? (c.atomic_dq ? "sm90-atomic-dq" : "sm90-deterministic") : "portable";
 }
 
 extern "C" int64_t ncp_sink_attn_bwd_workspace(int32_t Tq, int32_t Tk, int32_t Hq, int32_t D, int32_t has_sink,
@@ -154,9 +154,9 @@ extern "C" ncp_status ncp_sink_attn_bwd_cuda(const ncp_sink_attn_bwd_params *b, 
     ws.delta = reinterpret_cast<float *>(base + w.delta);
     ws.dsink_part = p.sink != nullptr ? reinterpret_cast<float *>(base + w.part) : nullptr;
     ws.n_part = w.n_part;
-    ws.dq_accum = c.sm90 && p.Tq > 0 ? reinterpret_cast<float *>(base + w.acc) : nullptr;
-    ws.dq_turn = c.ordered && p.Tq > 0 ? reinterpret_cast<int32_t *>(base + w.turn) : nullptr;
+    ws.dq_accum = c.atomic_dq && p.Tq > 0 ? reinterpret_cast<float *>(base + w.acc) : nullptr;
     ws.kv = ncp::carve_order(base, w.kv, w.n_kv, p.Hkv, c.cfg);
+    ws.q = ncp::carve_order(base, w.q, w.n_q, p.Hq, c.cfg);
     cudaStream_t s = (cudaStream_t)stream;
     NCP_TRY(ncp::attn_bwd_prepass(*b, ws, s));
     return c.sm90 ? ncp::attn_bwd_sm90(*b, ws, c.cfg, s) : ncp::attn_bwd_portable(*b, ws, s);

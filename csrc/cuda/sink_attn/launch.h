@@ -24,9 +24,10 @@ struct attn_config {
     int order_waves; /* Hopper backward orders: waves per chunk, or -1: index order */
 };
 
-/* Longest-first order of the Hopper backward grid. Under a causal, windowed or document mask
- * the work of a dK/dV CTA (kBwdKvTile keys: the q tiles of kBwdKvStep rows that see them) varies
- * many-fold, and a grid of a few waves in index order ends on a tail of long CTAs. The pre-pass measures every tile's work,
+/* Longest-first orders of the Hopper backward grids. Under a causal, windowed or document mask
+ * the work of a dK/dV CTA (kBwdKvTile keys: the q tiles of kBwdKvStep rows that see them) and of a
+ * dQ CTA (kBwdQTile rows: the kv tiles of kBwdQStep keys they see) varies many-fold, and a grid of
+ * a few waves in index order ends on a tail of long CTAs. The pre-pass measures every tile's work,
  * the order kernel ranks the tiles (most work first, ties by index) and the grid's CTA i takes the
  * i-th tile, so the hardware's in-order dispatch to the first free SM is longest-processing-time-
  * first list scheduling. Ordering a whole large grid that way would run the same position of
@@ -34,7 +35,7 @@ struct attn_config {
  * read the same Q and dO tiles and add into the same dQ tiles), so the tiles are ranked within
  * consecutive chunks of kOrderWaves waves: the last chunk, the tail, is longest first, and the
  * CTAs in flight stay within a few documents. */
-constexpr int kBwdKvTile = 128, kBwdKvStep = 64;
+constexpr int kBwdKvTile = 128, kBwdKvStep = 64, kBwdQTile = 128, kBwdQStep = 64;
 constexpr int kOrderWaves = 2;
 constexpr int kOrderThreads = 256;
 
@@ -51,15 +52,10 @@ struct bwd_workspace {
     float *delta;      /* (Hq, Tq) rowsum(dO * O) */
     float *dsink_part; /* (Hq, n_part) dsink partial sums, or NULL without a sink */
     int32_t n_part;
-    float *dq_accum;   /* Hopper backward: (Hq, ceil(Tq / 64), D / 64, 64 x 64) fp32, else NULL */
-    int32_t *dq_turn;  /* deterministic Hopper backward: (Hq, ceil(Tq / 64)) counts of the dQ tiles'
-                        * additions done, then one word: set when a wait timed out; else NULL */
+    float *dq_accum;   /* atomic-dQ Hopper backward: (Hq, ceil(Tq / 64), D / 64, 64 x 64) fp32, else NULL */
     tile_order kv;     /* Hopper dK/dV grid (key tiles) */
+    tile_order q;      /* Hopper deterministic dQ grid (query tiles) */
 };
-
-/* Deterministic Hopper backward: a key tile waits at most this long for its turn to add into a
- * dQ tile (sm90_bwd_parts.cuh, DqTurns); past it, the launch stops ordering its additions. */
-constexpr unsigned long long kTurnTimeoutNs = 2000000000ull;
 
 /* Rows per dsink partial sum in the backward pre-pass. */
 constexpr int kPreRows = 128;

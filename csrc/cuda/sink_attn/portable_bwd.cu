@@ -9,9 +9,9 @@
  *     dsink_h = -sum_i exp(sink_h - lse_i) D_i                 (the sink has a zero value vector)
  * Kernels, all deterministic (no atomics, fixed reduction orders):
  *   bwd_pre_kernel    D_i for every (row, head) and per-block dsink partial sums (the Delta pre-pass);
- *                     on Hopper also the work of every tile of the backward grid (launch.h) and
- *                     the zeros of the dQ accumulator (and of the dQ tiles' turn counts)
- *   bwd_order_kernel  dsink_h = ordered sum of the partials; the grid's longest-first tile order
+ *                     on Hopper also the work of every tile of the backward grids (launch.h) and
+ *                     the zeros of the atomic-dQ accumulator
+ *   bwd_order_kernel  dsink_h = ordered sum of the partials; the grids' longest-first tile orders
  *   bwd_dkdv_kernel   one CTA per (kv tile of 64 keys, kv head): loops over the G query heads of
  *                     the group and every q tile that sees the keys; computes S^T = K Q^T so that
  *                     P^T and dS^T are born in registers as A fragments of dV += P^T dO and
@@ -41,8 +41,8 @@ static_assert(QB == 16 * kWarps && KB == 16 * kWarps, "one m16 tile per warp");
 
 constexpr int kPreThreads = 256;
 
-/* Work of every tile of the Hopper backward grid (ws.kv; launch.h), blocks x of the extra row
- * y = Hq of the pre-pass grid, grid-stride over the tiles. */
+/* Work of every tile of the Hopper backward grids (ws.kv, ws.q; launch.h), blocks x of the extra
+ * row y = Hq of the pre-pass grid, grid-stride over the tiles. */
 template <class Mask> __device__ __forceinline__ void tile_work(const ncp_sink_attn_params &p, const bwd_workspace &ws) {
     const Mask mask(p);
     const int stride = gridDim.x * kPreThreads;
@@ -51,6 +51,10 @@ template <class Mask> __device__ __forceinline__ void tile_work(const ncp_sink_a
         const int k1 = (int)min((int64_t)(t + 1) * kBwdKvTile, (int64_t)p.Tk) - 1; /* no int overflow near 2^31 */
         q_tiles_seeing(mask, t * kBwdKvTile, k1, kBwdKvStep, t0, n);
         ws.kv.work[t] = n;
+    }
+    for (int t = blockIdx.x * kPreThreads + threadIdx.x; t < ws.q.n; t += stride) {
+        const q_tile_range r = q_range(mask, t * kBwdQTile, kBwdQTile, kBwdQStep);
+        ws.q.work[t] = max(0, r.kt_hi - r.kt_lo + 1);
     }
 }
 
@@ -63,14 +67,10 @@ __global__ void __launch_bounds__(kPreThreads) bwd_pre_kernel(const ncp_sink_att
         return;
     }
     const int h = blockIdx.y, r0 = blockIdx.x * kRows, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    if (ws.dq_accum != nullptr) { /* the dQ accumulator's 64-row tiles of these rows: zeroed here (no memset) */
+    if (ws.dq_accum != nullptr) { /* the atomic-dQ accumulator's 64-row tiles of these rows: zeroed here (no memset) */
         const int n_qt = (p.Tq + 63) / 64, t0 = blockIdx.x * (kRows / 64), nt = min(kRows / 64, n_qt - t0);
         float4 *acc = reinterpret_cast<float4 *>(ws.dq_accum + ((int64_t)h * n_qt + t0) * 64 * D);
         for (int i = threadIdx.x; i < nt * 64 * D / 4; i += kPreThreads) acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (ws.dq_turn != nullptr) { /* and their turn counts, and the timeout word (launch.h) */
-            if (threadIdx.x < nt) ws.dq_turn[(int64_t)h * n_qt + t0 + threadIdx.x] = 0;
-            if (h == 0 && blockIdx.x == 0 && threadIdx.x == 0) ws.dq_turn[(int64_t)p.Hq * n_qt] = 0;
-        }
     }
     const bool has_sink = p.sink != nullptr;
     const float sink = has_sink ? __ldg(reinterpret_cast<const float *>(p.sink) + h) : 0.f;
@@ -123,10 +123,11 @@ __device__ __forceinline__ void rank_tiles(const tile_order &o) {
     o.order[pos] = t;
 }
 
-/* Row y = 0: dsink_h = the ordered sum of the partials (block x = 0); row 1: the dK/dV grid's
- * longest-first order. */
+/* Row y = 0: dsink_h = the ordered sum of the partials (block x = 0); rows 1, 2: the dK/dV and dQ
+ * grids' longest-first orders. */
 __global__ void __launch_bounds__(kOrderThreads) bwd_order_kernel(const ncp_sink_attn_bwd_params b, const bwd_workspace ws) {
     if (blockIdx.y == 1) return rank_tiles(ws.kv);
+    if (blockIdx.y == 2) return rank_tiles(ws.q);
     if (blockIdx.x != 0 || b.dsink == nullptr) return;
     /* One warp per head: lane l sums partials l, l + 32, ... in order, then a fixed xor tree (the
      * same order every run: dsink stays bitwise repeatable). With a thread per head summing its
@@ -445,12 +446,12 @@ __global__ void __launch_bounds__(kThreads, 2) bwd_dq_kernel(const ncp_sink_attn
 template <typename T, int D, class Mask>
 ncp_status launch_prepass(const ncp_sink_attn_bwd_params &b, const bwd_workspace &ws, cudaStream_t s) {
     const ncp_sink_attn_params &p = b.f;
-    const bool ordered = ws.kv.n > 0;
+    const bool ordered = ws.kv.n > 0 || ws.q.n > 0;
     bwd_pre_kernel<T, D, Mask><<<dim3(ws.n_part, p.Hq + (ordered ? 1 : 0)), kPreThreads, 0, s>>>(b, ws);
     NCP_CUDA_CHECK(cudaGetLastError());
     if (p.sink != nullptr || ordered) {
-        const int nb = (max(1, ws.kv.n) + kOrderThreads - 1) / kOrderThreads;
-        bwd_order_kernel<<<dim3(nb, 2), kOrderThreads, 0, s>>>(b, ws);
+        const int nb = (max(1, max(ws.kv.n, ws.q.n)) + kOrderThreads - 1) / kOrderThreads;
+        bwd_order_kernel<<<dim3(nb, 3), kOrderThreads, 0, s>>>(b, ws);
         NCP_CUDA_CHECK(cudaGetLastError());
     }
     return NCP_OK;

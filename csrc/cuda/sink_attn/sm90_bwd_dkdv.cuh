@@ -6,13 +6,12 @@
  * warpgroup: S^T = K Q^T and dP^T = V dO^T (A and B from shared memory), P^T and dS^T in registers
  * (the mask is a separate pass on partial items: folded into the exponentials it cost enough
  * registers for ptxas to serialize every wgmma), then dV += P^T dO (A from registers) and
- * dK += dS^T Q; dS^T also goes to shared memory, where dK += dS^T Q and dQ = dS K read it, and
- * each warpgroup stages its 64 x 64 fp32 dQ tile for one bulk asynchronous reduction into the
- * workspace (5 MMAs per item). Two modes:
- *   default: the warpgroup's leader thread issues the reduction (the order of the additions into
- *     a dQ tile, so the last bits of dq, vary from run to run);
- *   deterministic (ORD): the writer warp of the producer warpgroup issues it, in a fixed order
- *     per dQ tile (DqTurns, sm90_bwd_parts.cuh).
+ * dK += dS^T Q. Two modes:
+ *   ADQ (default, not deterministic): dS^T also goes to shared memory; dK += dS^T Q and dQ = dS K
+ *     read it from there, and each warpgroup adds its 64 x 64 dQ tile into the fp32 workspace with
+ *     one bulk asynchronous reduction (5 MMAs per item; the order of the additions, so the last
+ *     bits of dq, vary from run to run).
+ *   deterministic: no atomics; dQ comes from the dQ kernel (7 MMAs per item in all).
  * Skipping (SKIP, chosen per launch: documents with a window; docs/EXPERIMENTS.md): a warpgroup none
  * of whose 64 keys a row of the item sees (KeyVis::flags) skips the item. Under a window the first
  * q tile that sees the CTA's keys sees only their low half and the last one only the high half
@@ -32,10 +31,10 @@ namespace bwd90 {
 
 #ifdef NCP_SM90_DEVICE
 /* Mask-agnostic: the mask reaches the consumers only as the producer's key bounds (KeyVis). */
-template <typename T, int D, class Items> struct DkdvConsumer {
-    using L = Layout<D, KVB, KQB>;
+template <typename T, int D, bool ADQ> struct DkdvConsumer {
+    using L = Layout<D, KVB, KQB, ADQ>;
     const ncp_sink_attn_params &p;
-    const Items &w;
+    const KvItems &w;
     const Bars bar;
     const uint32_t base;
     const float *s_l2, *s_dl;
@@ -44,7 +43,7 @@ template <typename T, int D, class Items> struct DkdvConsumer {
     const KeyVis vis;
     float dk[D / 2], dv[D / 2];
 
-    __device__ __forceinline__ DkdvConsumer(const ncp_sink_attn_params &p_, const Items &w_, Bars bar_,
+    __device__ __forceinline__ DkdvConsumer(const ncp_sink_attn_params &p_, const KvItems &w_, Bars bar_,
                                             uint32_t base_, const float *l2, const float *dl, const uint16_t *kb, int cw_)
         : p(p_), w(w_), bar(bar_), base(base_), s_l2(l2), s_dl(dl), cw(cw_), warp((threadIdx.x & 127) >> 5),
           lane(threadIdx.x & 31), tq(lane & 3), krow0(64 * cw_ + 16 * warp + (lane >> 2)),
@@ -141,6 +140,37 @@ template <typename T, int D, class Items> struct DkdvConsumer {
         return SKIP ? f : full_flags(it);
     }
 
+    /* Deterministic mode: dV += P^T dO and dK += dS^T Q from registers. */
+    template <bool SKIP> __device__ __forceinline__ void run_det() {
+        uint32_t f = SKIP ? wait_item(0) : 1u;
+        for (int it = 0; it < w.n_it; ++it) {
+            if (SKIP && !(f & 1u)) { /* none of this warpgroup's keys is seen: nothing to add */
+                release(it);
+                f = wait_item(it + 1);
+                continue;
+            }
+            float st[KQB / 2], dpt[KQB / 2];
+            uint32_t pf[KQB / 16][4], df[KQB / 16][4];
+            f = sdp<SKIP>(st, dpt, it, f);
+            probs_cols(st, dpt, it, (f >> 1) & 1u, 0, KQB / 8);
+            to_frags<T, KQB>(pf, st);
+            to_frags<T, KQB>(df, dpt);
+            const int s = Ring::slot(it);
+            sm90::fence_regs(dv, D / 2);
+            sm90::fence_regs(dk, D / 2);
+            sm90::wg_fence();
+            sm90::rs_steps<T, D, KQB>(dv, pf, sO(s), KQB * 128);
+            sm90::rs_steps<T, D, KQB>(dk, df, sQ(s), KQB * 128);
+            sm90::wg_commit();
+            if (SKIP) f = wait_item(it + 1);
+            sm90::wg_wait<0>();
+            sm90::fence_regs(dv, D / 2);
+            sm90::fence_regs(dk, D / 2);
+            fence_frags(pf, df);
+            release(it);
+        }
+    }
+
     /* P^T into fragments and dS^T (keys x queries, 128B-swizzled rows of 64 queries) into shared
      * memory, 16 queries at a time to bound the live registers. */
     __device__ __forceinline__ void probs_to_smem(float *st, float *dpt, uint32_t (*pf)[4], uint32_t sDS, int it,
@@ -180,22 +210,15 @@ template <typename T, int D, class Items> struct DkdvConsumer {
         for (int ks = 0; ks < NK / 16; ++ks) /* k-step ks: + 16 rows of 128 bytes in both */
             sm90::wgmma<T, 64>::template ss<1, 1>(dq, sm90::desc_of(la + ks * 128), sm90::desc_of(lb + ks * 128), ks > 0);
     }
-    /* D = 128: warpgroup cw computes dQ columns [64 cw, 64 cw + 64) over all 128 keys (over the
-     * 64 seen ones when an item sees no key of one warpgroup: flags bit 2), so both warpgroups'
-     * dS^T must be in shared memory (named barrier kDsBar); D = 64: each warpgroup adds its own
-     * 64 keys' share of all 64 columns. dS^T is double-buffered: a warpgroup rewrites buffer
-     * it & 1 only after passing the barrier of item it - 1, which the other reaches after its dQ
-     * MMA of item it - 2 is done. The staging tile of the bulk reduction is rewritten only after
-     * the previous reduction read it: its leader thread waited for that (default), or the writer
-     * warp signalled it (ORD: dq_empty; every item hands the writer a tile, or with D = 64 and
-     * SKIP the word "nothing to add"). dq_accum is (Hq, ceil(Tq / 64), D / 64, 4096) in fragment
-     * order (dq_frag_pos). */
-    __device__ __forceinline__ void hand_off(int it, bool none) const {
-        if (it > 0) sm90::mbar_wait(bar.dq_empty(cw), (uint32_t)((it - 1) & 1));
-        if ((threadIdx.x & 127) == 0) asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(bar.dq_none(cw)), "r"(none ? 1u : 0u) : "memory");
-        sm90::warp_arrive(bar.dq_full(cw));
-    }
-    template <bool SKIP, bool ORD> __device__ __forceinline__ void run(float *dq_accum) {
+    /* Atomic-dQ mode. D = 128: warpgroup cw computes dQ columns [64 cw, 64 cw + 64) over all 128
+     * keys (over the 64 seen ones when an item sees no key of one warpgroup: flags bit 2), so both
+     * warpgroups' dS^T must be in shared memory (named barrier kDsBar); D = 64: each
+     * warpgroup adds its own 64 keys' share of all 64 columns. dS^T is double-buffered: a
+     * warpgroup rewrites buffer it & 1 only after passing the barrier of item it - 1, which the
+     * other reaches after its dQ MMA of item it - 2 is done. The staging tile of the bulk reduction
+     * is rewritten only after its leader thread waited for the previous reduction's reads. dq_accum
+     * is (Hq, ceil(Tq / 64), D / 64, 4096) in fragment order (dq_frag_pos). */
+    template <bool SKIP> __device__ __forceinline__ void run_adq(float *dq_accum) {
         const int key0 = D == 128 ? 0 : 64 * cw, cb = D == 128 ? cw : 0;
         constexpr int kDqKeys = D == 128 ? KVB : 64;
         const uint32_t sKc = sK() + cb * KVB * 128; /* K's column block of this warpgroup's dQ columns */
@@ -206,7 +229,6 @@ template <typename T, int D, class Items> struct DkdvConsumer {
         for (int it = 0; it < w.n_it; ++it) {
             if (SKIP && D == 64 && !(f & 1u)) { /* this warpgroup's share of dK, dV and dQ is zero */
                 release(it);
-                if (ORD) hand_off(it, true);
                 f = wait_item(it + 1);
                 continue;
             }
@@ -224,7 +246,7 @@ template <typename T, int D, class Items> struct DkdvConsumer {
                 sm90::rs_steps<T, D, KQB>(dv, pf, sO(s), KQB * 128); /* dV += P^T dO */
                 sm90::wg_commit();
                 sm90::fence_proxy_async_smem(); /* the generic-proxy stores above, before wgmma reads */
-                if (!ORD && leader) sm90::bulk_wait_read<0>(); /* staging free once this barrier passes */
+                if (leader) sm90::bulk_wait_read<0>(); /* staging free once this barrier passes */
                 if (D == 128 && SKIP) sm90::named_sync_unaligned(kDsBar, 256); /* also reached from the branch below */
                 else if (D == 128) sm90::named_sync(kDsBar, 256);
                 else sm90::named_sync(1 + cw, 128);
@@ -249,7 +271,7 @@ template <typename T, int D, class Items> struct DkdvConsumer {
             } else { /* D = 128, none of this warpgroup's keys seen: its dS^T rows would be zero, so
                       * neither warpgroup reads them (bit 2 of the other's flags), and its dQ columns
                       * take the other warpgroup's keys alone, or are zero when no key is seen */
-                if (!ORD && leader) sm90::bulk_wait_read<0>();
+                if (leader) sm90::bulk_wait_read<0>();
                 sm90::named_sync_unaligned(kDsBar, 256);
                 if (f & 4u) {
                     sm90::fence_regs(dq, 32);
@@ -266,7 +288,6 @@ template <typename T, int D, class Items> struct DkdvConsumer {
                 }
             }
             release(it);
-            if (ORD && it > 0) sm90::mbar_wait(bar.dq_empty(cw), (uint32_t)((it - 1) & 1));
 #pragma unroll
             for (int j = 0; j < 8; ++j)
 #pragma unroll
@@ -274,11 +295,6 @@ template <typename T, int D, class Items> struct DkdvConsumer {
                     asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(sStw + 8 * dq_frag_pos(warp, j, r, lane)),
                                  "f"(dq[4 * j + 2 * r]), "f"(dq[4 * j + 2 * r + 1]));
             sm90::fence_proxy_async_smem();
-            if (ORD) {
-                if (leader) asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(bar.dq_none(cw)), "r"(0u) : "memory");
-                sm90::warp_arrive(bar.dq_full(cw));
-                continue;
-            }
             sm90::named_sync(1 + cw, 128);
             if (leader) {
                 const int qt = w.q0(it) / KQB;
@@ -286,7 +302,7 @@ template <typename T, int D, class Items> struct DkdvConsumer {
                 sm90::bulk_reduce_add_f32(dst, sStw, 64 * 64 * 4);
             }
         }
-        if (!ORD && leader) sm90::bulk_wait_read<0>(); /* shared memory must outlive the last reads */
+        if (leader) sm90::bulk_wait_read<0>(); /* shared memory must outlive the last reads */
     }
 
     /* The rows of this warpgroup in sK / sV are free once its MMAs are done: stage dK, dV there. */

@@ -1,13 +1,13 @@
 /*
- * sink_attn/sm90_bwd_parts.cuh: the parts of the Hopper dK/dV kernel (sm90_bwd.cu): shared-memory
- * layout and barriers, its producer, the per-key visibility of its mask pass, the ordered dQ
- * writer of the deterministic mode, and the epilogue that stores a warpgroup's accumulator tile.
+ * sink_attn/sm90_bwd_parts.cuh: the parts of the Hopper backward (sm90_bwd.cu): shared-memory
+ * layout and barriers, the producers of the dK/dV and dQ kernels, the per-key visibility of the
+ * dK/dV kernel's mask pass, and the epilogue that stores a warpgroup's accumulator tile.
  *
- * The kernel keeps K and V of 128 keys stationary in shared memory and streams Q and dO tiles of
- * 64 rows through a 3-stage ring: one producer thread issues TMA, and warp 1 of the producer
- * warpgroup writes lse * log2(e) and Delta of each streamed q tile into shared memory (the
- * stage's "a" barrier counts both arrivals). In the deterministic mode warp 2 adds the
- * consumers' dQ tiles into the workspace in a fixed order (DqTurns).
+ * Both kernels keep two tiles stationary in shared memory (dK/dV: K and V of 128 keys; dQ: Q and
+ * dO of 128 rows) and stream tiles of 64 rows through a 3-stage ring (dK/dV: Q and dO; dQ: K and V):
+ * one producer thread issues TMA, and in the dK/dV kernel warp 1 of the producer warpgroup writes
+ * lse * log2(e) and Delta of each streamed q tile into shared memory (the stage's "a" barrier
+ * counts both arrivals).
  */
 #ifndef NCP_SINK_ATTN_SM90_BWD_PARTS_CUH
 #define NCP_SINK_ATTN_SM90_BWD_PARTS_CUH
@@ -25,18 +25,21 @@ constexpr int kThreads = 384; /* producer + 2 consumer warpgroups */
 using Split = sm90::RegSplit<3, 24, 240>; /* producer 24 registers, consumers 240 */
 static_assert(Split::kThreads == kThreads, "one producer and two consumer warpgroups");
 constexpr int kStages = 3;
-constexpr int KVB = 128;      /* keys per CTA */
-constexpr int KQB = 64;       /* q rows per streamed tile */
-constexpr int kDsBar = 3;     /* named barrier: both warpgroups' dS^T stored */
-static_assert(KVB == kBwdKvTile && KQB == kBwdKvStep, "the pre-pass measures the grid's tile work with the tiles of launch.h");
+constexpr int KVB = 128;      /* dK/dV kernel: keys per CTA */
+constexpr int KQB = 64;       /* dK/dV kernel: q rows per streamed tile */
+constexpr int QQB = 128;      /* dQ kernel: q rows per CTA */
+constexpr int QKB = 64;       /* dQ kernel: keys per streamed tile */
+constexpr int kDsBar = 3;     /* named barrier: both warpgroups' dS^T stored (atomic-dQ kernel) */
+static_assert(KVB == kBwdKvTile && KQB == kBwdKvStep && QQB == kBwdQTile && QKB == kBwdQStep,
+              "the pre-pass measures the grids' tile work with the tiles of launch.h");
 using Ring = sm90::Ring<kStages>;
 
-/* Two stationary tiles of SR rows, kStages x two streamed tiles of TR rows, two dS^T tiles of
- * SR x TR and two 64 x 64 fp32 dQ staging tiles, the mbarriers (Bars) and the dQ writer's two
- * words, then kStages x TR floats of lse * log2(e) and of Delta for the streamed q tiles, and
- * kStages x TR packed key bounds (key_bounds). At D = 128 it fills the 227 KiB of an sm_90 block
- * exactly. */
-template <int D, int SR, int TR, bool DS = true> struct Layout {
+/* Two stationary tiles of SR rows, kStages x two streamed tiles of TR rows, with DS (atomic-dQ
+ * dK/dV kernel) two dS^T tiles of SR x TR and two 64 x 64 fp32 dQ staging tiles, the mbarriers,
+ * then kStages x TR floats of lse * log2(e) and of Delta for the streamed q tiles, and kStages x
+ * TR packed key bounds (key_bounds). The D = 128 atomic-dQ dK/dV layout fills the 227 KiB of an
+ * sm_90 block exactly. */
+template <int D, int SR, int TR, bool DS = false> struct Layout {
     static constexpr int stat_bytes = SR * D * 2;
     static constexpr int tile_bytes = TR * D * 2;
     static constexpr int s1_off = stat_bytes;
@@ -53,19 +56,14 @@ template <int D, int SR, int TR, bool DS = true> struct Layout {
 };
 
 #ifdef NCP_SM90_DEVICE
-/* stat_full, then per stage a_full (stream tile a, plus lse/Delta), b_full (stream tile b) and
- * empty (one arrival per consumer warp); then, for the ordered dQ writer, per consumer warpgroup
- * dq_full (its 4 warps staged their dQ tile) and dq_empty (the writer's bulk reduction read it),
- * and the warpgroup's "nothing to add" word. */
+/* stat_full, then per stage a_full (stream tile a, plus lse/Delta in the dK/dV kernel), b_full
+ * (stream tile b) and empty (one arrival per consumer warp). */
 struct Bars {
     uint32_t base;
     __device__ __forceinline__ uint32_t stat() const { return base; }
     __device__ __forceinline__ uint32_t a(int s) const { return base + 8u * (1 + s); }
     __device__ __forceinline__ uint32_t b(int s) const { return base + 8u * (1 + kStages + s); }
     __device__ __forceinline__ uint32_t e(int s) const { return base + 8u * (1 + 2 * kStages + s); }
-    __device__ __forceinline__ uint32_t dq_full(int cw) const { return base + 8u * (1 + 3 * kStages + cw); }
-    __device__ __forceinline__ uint32_t dq_empty(int cw) const { return base + 8u * (3 + 3 * kStages + cw); }
-    __device__ __forceinline__ uint32_t dq_none(int cw) const { return base + 8u * (5 + 3 * kStages) + 4u * cw; }
     __device__ __forceinline__ void init(int a_arrivals) const {
         sm90::mbar_init(stat(), 1);
         for (int s = 0; s < kStages; ++s) {
@@ -73,20 +71,13 @@ struct Bars {
             sm90::mbar_init(b(s), 1);
             sm90::mbar_init(e(s), 8);
         }
-        for (int cw = 0; cw < 2; ++cw) {
-            sm90::mbar_init(dq_full(cw), 4);
-            sm90::mbar_init(dq_empty(cw), 1);
-        }
         sm90::mbar_fence_init();
     }
 };
-static_assert(8 * (5 + 3 * kStages) + 8 <= 128, "the barriers and words fit the layout's 128 bytes");
 
 /* The (query head, q tile) items of a dK/dV CTA: the q tiles [qt_lo, qt_lo + n_q) that see a key
- * of [k0, k0 + KVB), for each of the G query heads of its kv head; ascending, or descending in the
- * deterministic mode (DqTurns: there key tile j - 1, which adds into a q tile before tile j, then
- * reaches it no later than tile j does). */
-template <bool DESC> struct KvItems {
+ * of [k0, k0 + KVB), for each of the G query heads of its kv head. */
+struct KvItems {
     int g_kv, k0, G, qt_lo, n_q, n_it;
     template <class Mask> __device__ __forceinline__ KvItems(const Mask &mask, int g_kv_, int k0_, int G_)
         : g_kv(g_kv_), k0(k0_), G(G_) {
@@ -94,9 +85,7 @@ template <bool DESC> struct KvItems {
         n_it = n_q * G;
     }
     __device__ __forceinline__ int head(int it) const { return g_kv * G + it / n_q; }
-    __device__ __forceinline__ int q0(int it) const {
-        return (DESC ? qt_lo + n_q - 1 - it % n_q : qt_lo + it % n_q) * KQB;
-    }
+    __device__ __forceinline__ int q0(int it) const { return (qt_lo + it % n_q) * KQB; }
 };
 
 /* Which of the CTA's keys k0 + d (0 <= d < KVB) row q sees, for the mask pass: a <= d < b, packed
@@ -111,8 +100,8 @@ template <class Mask> __device__ __forceinline__ uint16_t key_bounds(const Mask 
 /* dK/dV producer. Thread 0: K and V once, then Q and dO of every item. Warp 1: lse * log2(e) and
  * Delta of every item's 64 rows into shared memory, and their key bounds (key_bounds), so the
  * consumers' mask pass is one shared load and two compares per query, whatever the mask. */
-template <int D, class Mask, class Items>
-__device__ __forceinline__ void produce_dkdv(const Items &w, const Bars &bar, uint32_t sK, uint32_t sV, uint32_t sQ0,
+template <int D, class Mask>
+__device__ __forceinline__ void produce_dkdv(const KvItems &w, const Bars &bar, uint32_t sK, uint32_t sV, uint32_t sQ0,
                                              uint32_t sO0, float *s_l2, float *s_dl, uint16_t *s_kb, const Mask &mask,
                                              const ncp_sink_attn_params &p, const float *delta, const CUtensorMap *tm_k,
                                              const CUtensorMap *tm_v, const CUtensorMap *tm_q, const CUtensorMap *tm_do) {
@@ -142,6 +131,24 @@ __device__ __forceinline__ void produce_dkdv(const Items &w, const Bars &bar, ui
             }
             sm90::warp_arrive(bar.a(s));
         }
+    }
+}
+
+/* dQ producer (thread 0): Q and dO once, then K and V of every kv tile the rows see. */
+template <int D>
+__device__ __forceinline__ void produce_dq(const q_tile_range &rng, int n_it, const Bars &bar, uint32_t sQ, uint32_t sO,
+                                           uint32_t sK0, uint32_t sV0, int h, int g_kv, int q0, const CUtensorMap *tm_q,
+                                           const CUtensorMap *tm_do, const CUtensorMap *tm_k, const CUtensorMap *tm_v) {
+    using L = Layout<D, QQB, QKB>;
+    sm90::mbar_expect_tx(bar.stat(), 2 * L::stat_bytes);
+    sm90::tma_load_tile_pair<D>(sQ, tm_q, sO, tm_do, QQB, h, q0, bar.stat());
+    for (int it = 0; it < n_it; ++it) {
+        const int s = Ring::slot(it), kt = rng.kt_hi - it;
+        if (it >= kStages) sm90::mbar_wait(bar.e(s), Ring::empty_phase(it));
+        sm90::mbar_expect_tx(bar.a(s), L::tile_bytes);
+        sm90::tma_load_tile<D>(sK0 + s * L::tile_bytes, tm_k, QKB, g_kv, kt * QKB, bar.a(s));
+        sm90::mbar_expect_tx(bar.b(s), L::tile_bytes);
+        sm90::tma_load_tile<D>(sV0 + s * L::tile_bytes, tm_v, QKB, g_kv, kt * QKB, bar.b(s));
     }
 }
 
@@ -190,142 +197,6 @@ struct KeyVis {
             all &= a <= key0 && b >= key0 + 64 ? 1u : 0u;
         }
         return __reduce_or_sync(0xffffffffu, seen) | __reduce_and_sync(0xffffffffu, all) << 1;
-    }
-};
-
-/* Deterministic mode: the dQ additions in a fixed order. Every dQ tile (query head h, 64 rows at
- * q0) takes the partial sums of the key tiles that see it, and fp32 additions in another order
- * give other bits; so the key tiles add one after the other, in the order the grid dispatches
- * them (launch.h: longest first within chunks, ties by index; index order without an order),
- * each after the ones before it have finished. turn[h, q0 / 64] counts the additions done; a
- * key tile waits until it reaches its turn, the number of key tiles seeing the q tile that are
- * dispatched before it, adds, waits for its bulk reduction to complete and counts one.
- *
- * Deadlock: a CTA waits only for CTAs dispatched before it, so the one dispatched first among
- * those waiting never waits (the hardware dispatches a grid's CTAs in index order; every Hopper
- * kernel's longest-first order already relies on it). The key tiles seeing a q tile are
- * [kt_lo, kt_hi] of q_range, the same set as the tiles whose q_tiles_seeing holds it, for any
- * mask whose row bounds are non-decreasing (mask.cuh). A malformed mask can break that and leave
- * a turn unreachable: a wait longer than kTurnTimeoutNs sets the timeout word and from then on no
- * CTA of the launch waits (the sums stay right; only their bits may vary from run to run).
- *
- * Writer warp (warp 2 of the producer warpgroup), per item: the turn (the warp's lanes test 32
- * candidate tiles at a time, before the item's tiles are staged), then the two warpgroups'
- * staged tiles (dq_full); D = 128: one 64 x 64 column block each, two bulk reductions into one
- * dQ tile; D = 64: both hold the whole tile's partial sums (each over its own 64 keys), added
- * here in shared memory, warpgroup 0's first, so one reduction adds the CTA's share. Then the wait
- * for its turn, the reduction(s) as one bulk group, the wait until they read the staging
- * (dq_empty: the consumers may restage), the wait until they complete, and the count. */
-struct DqTurns {
-    const tile_order o;
-    int32_t *turn, *timeout;
-    const int kt, n_qt;
-    const int32_t wt; /* this key tile's work (with an order) */
-
-    __device__ __forceinline__ DqTurns(const bwd_workspace &ws, int kt_, int Tq, int Hq)
-        : o(ws.kv), turn(ws.dq_turn), timeout(ws.dq_turn + (int64_t)Hq * ((Tq + KQB - 1) / KQB)), kt(kt_),
-          n_qt((Tq + KQB - 1) / KQB), wt(ws.kv.order != nullptr ? __ldg(ws.kv.work + kt_) : 0) {}
-
-    /* Whether key tile j is dispatched before this CTA's (rank_tiles' order). */
-    __device__ __forceinline__ bool before(int j) const {
-        if (o.order == nullptr) return j < kt;
-        const int cj = j / o.chunk, ct = kt / o.chunk;
-        if (cj != ct) return cj < ct;
-        const int32_t wj = __ldg(o.work + j);
-        return wj > wt || (wj == wt && j < kt);
-    }
-    /* This CTA's turn at the q tile of rows [q0, q0 + 64) (all lanes of the warp). */
-    template <class Mask> __device__ __forceinline__ int turn_at(const Mask &mask, int q0) const {
-        const q_tile_range r = q_range(mask, q0, KQB, KVB);
-        const int lane = threadIdx.x & 31;
-        int n = 0;
-        for (int j0 = r.kt_lo; j0 <= r.kt_hi; j0 += 32) {
-            const int j = j0 + lane;
-            n += __popc(__ballot_sync(0xffffffffu, j <= r.kt_hi && j != kt && before(j)));
-        }
-        return n;
-    }
-    /* One thread: waits until count >= n (or a timeout). */
-    __device__ __forceinline__ void wait(const int32_t *count, int n) const {
-        if (load_acquire(count) >= n) return;
-        uint64_t t0;
-        asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t0));
-        for (;;) {
-            __nanosleep(128);
-            if (load_acquire(count) >= n || *(volatile int32_t *)timeout != 0) return;
-            uint64_t t;
-            asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
-            if (t - t0 > kTurnTimeoutNs) {
-                *(volatile int32_t *)timeout = 1;
-                return;
-            }
-        }
-    }
-    static __device__ __forceinline__ int32_t load_acquire(const int32_t *p) {
-        int32_t v;
-        asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
-        return v;
-    }
-    /* One thread, after its reductions completed: their writes, then one more addition done. */
-    static __device__ __forceinline__ void count_one(int32_t *count) {
-        asm volatile("fence.proxy.async.global;\n" ::: "memory");
-        asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(count) : "memory");
-    }
-
-    template <int D, class Mask, class Items>
-    __device__ __forceinline__ void write(const Items &w, const Bars &bar, uint32_t stage, float *dq_accum,
-                                          const Mask &mask) const {
-        const int lane = threadIdx.x & 31;
-        for (int it = 0; it < w.n_it; ++it) {
-            const int h = w.head(it), q0 = w.q0(it);
-            const int n = turn_at(mask, q0);
-            const uint32_t ph = (uint32_t)(it & 1);
-            sm90::mbar_wait(bar.dq_full(0), ph);
-            sm90::mbar_wait(bar.dq_full(1), ph);
-            uint32_t none0, none1;
-            asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(none0) : "r"(bar.dq_none(0)) : "memory");
-            asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(none1) : "r"(bar.dq_none(1)) : "memory");
-            uint32_t src = stage;
-            if (D == 64 && !none0 && !none1) { /* stage 0 += stage 1, warpgroup 0's sums first */
-                for (int i = lane; i < 64 * 64 / 4; i += 32) {
-                    float4 a, b;
-                    asm volatile("ld.shared.v4.f32 {%0,%1,%2,%3}, [%4];\n"
-                                 : "=f"(a.x), "=f"(a.y), "=f"(a.z), "=f"(a.w) : "r"(stage + 16 * i) : "memory");
-                    asm volatile("ld.shared.v4.f32 {%0,%1,%2,%3}, [%4];\n"
-                                 : "=f"(b.x), "=f"(b.y), "=f"(b.z), "=f"(b.w) : "r"(stage + 64 * 64 * 4 + 16 * i) : "memory");
-                    asm volatile("st.shared.v4.f32 [%0], {%1,%2,%3,%4};\n" ::"r"(stage + 16 * i), "f"(a.x + b.x),
-                                 "f"(a.y + b.y), "f"(a.z + b.z), "f"(a.w + b.w) : "memory");
-                }
-                sm90::fence_proxy_async_smem();
-                __syncwarp();
-            } else if (D == 64 && none0) {
-                src = stage + 64 * 64 * 4;
-            }
-            if (lane == 0) {
-                int32_t *count = turn + (int64_t)h * n_qt + q0 / KQB;
-                wait(count, n);
-                asm volatile("fence.proxy.async.global;\n" ::: "memory");
-                float *dst = dq_accum + ((int64_t)h * n_qt + q0 / KQB) * (D / 64) * 4096;
-                if (D == 128) {
-                    reduce(dst, stage);
-                    reduce(dst + 4096, stage + 64 * 64 * 4);
-                } else if (!(none0 && none1)) {
-                    reduce(dst, src);
-                }
-                sm90::bulk_commit(); /* one group per item (possibly empty) */
-                sm90::bulk_wait_read<0>();
-                sm90::mbar_arrive(bar.dq_empty(0));
-                sm90::mbar_arrive(bar.dq_empty(1));
-                sm90::bulk_wait<0>(); /* counted at once: the next key tile waits for it */
-                count_one(count);
-            }
-            __syncwarp();
-        }
-    }
-    static __device__ __forceinline__ void reduce(float *dst, uint32_t src) {
-        asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst), "r"(src),
-                     "n"(64 * 64 * 4)
-                     : "memory");
     }
 };
 
