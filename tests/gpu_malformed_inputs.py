@@ -10,8 +10,8 @@ boundaries (negative, decreasing, past the end, near the int32 limits), the MiMo
 accepted tables (sentinels, absorption, zero-length documents, int32 tokens, strided inputs),
 ``sink_attention(..., validate=False)`` with ``cu_seqlens`` that do not start at 0, decrease, end
 before or after T or point far outside (also with the deterministic backward), non-finite
-q/k/v/sink, and the Flint CP attention with NaN inputs. A call may raise (a clear error is fine); what must not happen is an out-of-bounds
-access, which memcheck reports. Prints one line per group and "done" at the end.
+q/k/v/sink, and the Flint CP attention with NaN inputs. A call may raise (a clear error is fine);
+what must not happen is an out-of-bounds access, which memcheck reports. Prints one line per group and "done" at the end.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import argparse
 import os
 import sys
 from types import SimpleNamespace
+from unittest import mock
 
 import torch
 
@@ -96,15 +97,8 @@ def attention(dev):
                     attempt(_fwd_bwd, q, k, v, sink, c, window)
                     attempt(_fwd_bwd, q, k, v, None, c, window)
                     if dev == "cuda" and dtype == torch.bfloat16 and window != 1:  # the deterministic backward too
-                        saved = os.environ.get("NCP_DETERMINISTIC")
-                        os.environ["NCP_DETERMINISTIC"] = "1"
-                        try:
+                        with mock.patch.dict(os.environ, {"NCP_DETERMINISTIC": "1"}):
                             attempt(_fwd_bwd, q, k, v, sink, c, window)
-                        finally:
-                            if saved is None:
-                                del os.environ["NCP_DETERMINISTIC"]
-                            else:
-                                os.environ["NCP_DETERMINISTIC"] = saved
             good = torch.tensor([0, 60, 61, T], dtype=torch.int32, device=dev)
             for poison in (float("nan"), float("inf"), -float("inf")):
                 for which in range(4):
