@@ -7,10 +7,15 @@ it. Median over repetitions. Rows: ``ncp.sink_attention`` forward (no grad) and 
 (``out.backward``), Flint 32/4/128 at 64k tokens with 8k documents, window 0 and 513, next to
 SDPA's forward and backward; ``FlintMagiPlan.attention`` at cp = 1 (window 513: its checks, the
 plan's table mask, the same kernels); the native calls alone (``attn_forward`` / ``attn_backward``, no
-autograd: the op's own host cost) and a no-op autograd node over the same four leaves (the
+autograd: the op's own host cost; and once more by DLPack capsules, the path of a torch without
+the C exchange API) and a no-op autograd node over the same four leaves (the
 engine's cost around any op: the floor of an autograd backward on this host); the sync count of
 each call (``torch.cuda.set_sync_debug_mode``); and the op captured in CUDA graphs, a forward graph and
-a forward+backward graph, each replay timed as a call (no autograd engine at replay).
+a forward+backward graph, each replay timed as a call (no autograd engine at replay); and the backward as a step pays it:
+``--step-ops`` ops, each on leaves of its own, taken back by one ``torch.autograd.backward``, so the
+engine's fixed cost per ``backward()`` is paid once and each op's own cost is the marginal
+``(T(ops) - T(1)) / (ops - 1)`` (issue 16's 40 µs bar applies to it: a training step makes one
+backward call for all its layers).
 
 Two methods, both on the host clock behind a queued spin:
 - **one call**: one call per spin, then a device sync: the host starts each call from idle (cold
@@ -36,6 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import env_record, host_us_stream, print_table, write_json  # noqa: E402
 
 import nemo_cp_native as ncp  # noqa: E402
+from nemo_cp_native import attention as A  # noqa: E402
 from nemo_cp_native.attention import AttnMask, attn_backward, attn_forward  # noqa: E402
 from nemo_cp_native.testing import count_syncs, doc_lengths, make_attention_case  # noqa: E402
 
@@ -84,6 +90,34 @@ def backward_host_us(forward, dout, reps: int = 30, spin: int = 20_000_000) -> f
     return statistics.median(ts[3:])
 
 
+def step_row(op: str, make_leaves, call, dout, ops: int, reps: int = 15, spin: int = 200_000_000) -> dict:
+    """The backward as a training step pays it: ``ops`` independent calls (each on its own leaves,
+    as a model's layers are) taken back by ONE ``torch.autograd.backward``, with the GPU kept busy.
+    The engine's fixed cost per ``backward()`` (its thread hand-offs: the no-op node's row above) is
+    paid once a step; what each op adds is the marginal ``(T(ops) - T(1)) / (ops - 1)``."""
+    leaves = [make_leaves() for _ in range(ops)]
+
+    def timed(n: int) -> float:
+        ts = []
+        for _ in range(reps):
+            outs = [call(*lv) for lv in leaves[:n]]
+            torch.cuda.synchronize()
+            torch.cuda._sleep(spin)
+            t0 = time.perf_counter_ns()
+            torch.autograd.backward(outs, [dout] * n)
+            ts.append((time.perf_counter_ns() - t0) / 1e3)
+            del outs
+            torch.cuda.synchronize()
+            for lv in leaves[:n]:
+                for t in lv:
+                    t.grad = None
+        return statistics.median(ts[2:])
+
+    t1, tn = timed(1), timed(ops)
+    return {"op": op, "ops": ops, "one_op_us": round(t1, 1), "all_ops_us": round(tn, 1),
+            "per_op_us": round((tn - t1) / (ops - 1), 1)}  # fmt: skip
+
+
 def graph_row(op: str, fwd, graph, dout, n: int) -> dict:
     """A row of the table: ``fwd()`` timed as one call and in a stream of n, the backward of the
     output of ``graph()`` (built outside the timed region) likewise, and the syncs of each."""
@@ -130,6 +164,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json")
     ap.add_argument("--stream", type=int, default=8, help="calls per spin of the stream method")
+    ap.add_argument("--step-ops", type=int, default=8, help="ops in the one backward of the step method")
     args = ap.parse_args(argv)
     n = args.stream
     T, hq, hkv, d = 65536, 32, 4, 128
@@ -194,13 +229,40 @@ def main(argv=None) -> int:
                  "bwd_host_us_stream": round(host_us_stream(native_bwd, n, reps=5), 1),
                  "fwd_syncs": count_syncs(native_fwd), "bwd_syncs": count_syncs(native_bwd)})  # fmt: skip
 
+    if A._X:  # the same calls by DLPack capsules (torch without the C exchange API; the path before it)
+        A._X = False
+        try:
+            rows.append({"op": "sink_attention w513, native calls alone, by capsules",
+                         "fwd_host_us": round(host_us(native_fwd), 1), "bwd_host_us": round(host_us(native_bwd, reps=30), 1),
+                         "fwd_host_us_stream": round(host_us_stream(native_fwd, n), 1),
+                         "bwd_host_us_stream": round(host_us_stream(native_bwd, n, reps=5), 1),
+                         "fwd_syncs": count_syncs(native_fwd), "bwd_syncs": count_syncs(native_bwd)})  # fmt: skip
+        finally:
+            A._X = True
     rows.append(graph_row_replay(q, k, v, s, cu, 513, n))
     noop = lambda: _NoOp.apply(q, k, v, s)  # noqa: E731
     rows.append(graph_row("autograd floor: no-op node, same leaves", noop, noop, dout, n))
     print_table(rows, list(rows[0]))
+    # The backward in a step: L ops of one backward() (own leaves each), marginal host cost per op.
+    L = args.step_ops
+
+    def own(*ts):  # leaves of their own (no accumulation between ops), no copies of the data
+        return lambda: tuple(t.detach().requires_grad_() for t in ts)
+
+    step = [step_row(f"sink_attention w{w}", own(q, k, v, s), lambda *lv, w=w: ncp.sink_attention(*lv, cu, window=w),
+                     dout, L) for w in (0, 513)]  # fmt: skip
+    step.append(step_row("FlintMagiPlan.attention w513, cp = 1", own(q, k, v, s),
+                         lambda *lv: plan.attention(*lv, 513, d**-0.5), dout, L))  # fmt: skip
+    step.append(step_row("SDPA causal (8k, no sink)", own(qs, ks, vs),
+                         lambda *lv: torch.nn.functional.scaled_dot_product_attention(*lv, is_causal=True),
+                         torch.randn_like(qs), L))  # fmt: skip
+    step.append(step_row("autograd floor: no-op node", own(q, k, v, s), _NoOp.apply, dout, L))
+    print_table(step, list(step[0]))
     write_json(args.json, {"env": env_record(), "method": "queued 20M-cycle spin, host clock, median",
                           "method_stream": f"{n} calls back to back behind one 200M-cycle spin, per call, median",
-                          "bar_us": 40, "rows": rows})  # fmt: skip
+                          "method_step": f"{L} ops (own leaves each) in one torch.autograd.backward behind a "
+                                         "200M-cycle spin, host clock, median; per op = (T(ops) - T(1)) / (ops - 1)",
+                          "bar_us": 40, "rows": rows, "step_rows": step})  # fmt: skip
     return 0
 
 

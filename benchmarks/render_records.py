@@ -427,6 +427,11 @@ def _render_host_one(path: str) -> str:
             cells.append(f"{r['fwd_host_us_stream']} / {r['bwd_host_us_stream']}")
         cells.append(f"{r['fwd_syncs']} / {r['bwd_syncs'] if r['bwd_syncs'] is not None else '–'}")
         out.append("| " + " | ".join(str(c) for c in cells) + " |")
+    if data.get("step_rows"):  # the backward in a step: one backward() over many ops
+        out += ["", f"step: {data['method_step']}:", "",
+                "| op | one op: backward µs | all ops: backward µs | per op µs |", "|---|---:|---:|---:|"]
+        out += [f"| {r['op']} | {r['one_op_us']} | {r['all_ops_us']} ({r['ops']} ops) | {r['per_op_us']} |"
+                for r in data["step_rows"]]
     out += ["", source_line(path, data["env"], True)]
     return "\n".join(out)
 

@@ -4,6 +4,7 @@ int (None on the CPU). Errors: ValueError (a bad argument, named in the message)
 NotImplementedError, MemoryError, RuntimeError (CUDA), and ``Fallback`` (valid input outside the
 native fast path: the caller runs the reference)."""
 
+from types import NotImplementedType
 from typing import Any, Optional
 
 Capsule = Any  # a DLPack capsule ("dltensor" or "dltensor_versioned"), borrowed for the call
@@ -79,6 +80,15 @@ def sink_attn_bwd(
     deterministic: int = 0,
     stream: Optional[int] = None,
 ) -> None: ...
+def exchange_init(types: tuple[type, ...], /) -> bool: ...
+def sink_attn_fwd_x(
+    q: Any, k: Any, v: Any, out: Any, lse: Any, sink: Any, cu_seqlens: Any, row_lo: Any, row_hi: Any, scale: float,
+    window: int, /,
+) -> None | NotImplementedType: ...  # tensors read through the DLPack C exchange API
+def sink_attn_bwd_x(
+    q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, dq: Any, dk: Any, dv: Any, sink: Any, dsink: Any,
+    workspace: Any, cu_seqlens: Any, row_lo: Any, row_hi: Any, scale: float, window: int, deterministic: int, /,
+) -> None | NotImplementedType: ...
 def sink_attn_bwd_workspace(*, Tq: int, Tk: int, Hq: int, D: int, has_sink: int, deterministic: int, device: int) -> int: ...
 def sink_attn_kernels(*, deterministic: int = 0, device: int = 0) -> tuple[str, str]: ...
 def sink_attn_check_mask(

@@ -96,6 +96,12 @@ def backward_is_deterministic() -> bool:
 
 
 _F32 = torch.float32
+# The native calls read the tensors through the DLPack C exchange API where torch publishes it
+# (torch >= 2.10: ``torch.Tensor.__dlpack_c_exchange_api__``): no capsule per tensor, no keyword
+# parsing, the current stream from torch in C (_C.sink_attn_fwd_x / _bwd_x). Older torch, tensor
+# subclasses and tensors torch will not export (meta) take the capsule calls, whose errors name the
+# argument. Decided once, at import.
+_X = bool(_C.exchange_init((torch.Tensor, torch.nn.Parameter)))
 
 
 def _fwd(q: Tensor, k: Tensor, v: Tensor, sink: Optional[Tensor], scale: float, mask: AttnMask) -> tuple[Tensor, Tensor]:
@@ -103,7 +109,10 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, sink: Optional[Tensor], scale: float, 
     lse = q.new_empty((q.shape[1], q.shape[0]), dtype=_F32)
     if q.shape[0] == 0:  # no query rows: nothing to compute (empty tensors carry NULL data pointers)
         return out, lse
-    stream, cu = stream_of(q.device), mask.cu_seqlens
+    cu = mask.cu_seqlens
+    if _X and _C.sink_attn_fwd_x(q, k, v, out, lse, sink, cu, mask.row_lo, mask.row_hi, scale, mask.window) is None:
+        return out, lse
+    stream = stream_of(q.device)
     try:  # capsules made inline (the dict of ``capsules`` and a ** call cost host time before the launch)
         if cu is not None:  # documents (sink_attention): only the keywords it needs (each one costs C parsing)
             _C.sink_attn_fwd(q=to_dlpack(q), k=to_dlpack(k), v=to_dlpack(v),
@@ -139,8 +148,11 @@ def _bwd(dout, q, k, v, sink, out, lse, scale: float, mask: AttnMask):
                 _ws_bytes.clear()
             _ws_bytes[key] = nbytes
         ws = torch.empty(((nbytes + 3) // 4,), dtype=torch.float32, device=q.device)
-    dout, stream = dout.contiguous(), stream_of(q.device)
-    cu, lo, hi = mask.cu_seqlens, mask.row_lo, mask.row_hi
+    dout, cu, lo, hi = dout.contiguous(), mask.cu_seqlens, mask.row_lo, mask.row_hi
+    if _X and _C.sink_attn_bwd_x(q, k, v, out, lse, dout, dq, dk, dv, sink, dsink, ws, cu, lo, hi, scale, mask.window,
+                                 det) is None:  # fmt: skip
+        return dq, dk, dv, dsink
+    stream = stream_of(q.device)
     try:  # capsules made inline, as in _fwd (a dict of them and a ** call cost host time per call)
         _C.sink_attn_bwd(q=to_dlpack(q), k=to_dlpack(k), v=to_dlpack(v), out=to_dlpack(out), lse=to_dlpack(lse),
                          dout=to_dlpack(dout), dq=to_dlpack(dq), dk=to_dlpack(dk), dv=to_dlpack(dv),

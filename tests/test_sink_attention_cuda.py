@@ -534,3 +534,39 @@ def test_cuda_runs_expand_checks_its_runs_and_never_writes_outside():
     _C.runs_expand(runs=dl(runs), runs_dev=dl(stray.to(DEV)), out=dl(guard[:6]))
     torch.cuda.synchronize()
     assert guard[6:].tolist() == [-7] * 10
+
+
+@pytest.mark.skipif(not hasattr(torch.Tensor, "__dlpack_c_exchange_api__"), reason="no DLPack C exchange API")
+@pytest.mark.parametrize("mode", ["docs", "table"])
+def test_cuda_exchange_path_matches_capsules(mode, monkeypatch):
+    """The fast host path (tensors through the DLPack C exchange API, the stream from torch in C)
+    gives the capsule path's bits, deterministic backward, on a side stream behind a queued spin:
+    its kernels ran on the caller's current stream (the spin's), else they would have read inputs
+    that the side stream writes only after the spin."""
+    from nemo_cp_native import attention as A
+
+    monkeypatch.setenv("NCP_DETERMINISTIC", "1")
+    c = make_attention_case(doc_lengths(2048, "equal:512"), 8, 2, 128, dtype=torch.bfloat16, device=DEV)
+    q, k, v, s, cu = c["q"], c["k"], c["v"], c["sink"], c["cu_seqlens"]
+    T = q.shape[0]
+    starts = torch.repeat_interleave(cu[:-1], (cu[1:] - cu[:-1]).long()).to(torch.int32)
+    mask = (AttnMask(cu_seqlens=cu, window=100) if mode == "docs" else
+            AttnMask(row_lo=starts, row_hi=torch.arange(T, dtype=torch.int32, device=DEV), window=0))  # fmt: skip
+    dout = torch.randn_like(q)
+    runs = []
+    for fast in (True, False):
+        monkeypatch.setattr(A, "_X", fast)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            qs = torch.zeros_like(q)
+            torch.cuda._sleep(50_000_000)  # the inputs are written on the side stream after a spin
+            qs.copy_(q)
+            out, lse = attn_forward(qs, k, v, s, mask, 0.125)
+            grads = attn_backward(dout, qs, k, v, s, out, lse, mask, 0.125)
+        side.synchronize()
+        runs.append((out, lse, *grads))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+    want, want_lse = attn_forward(q, k, v, s, mask, 0.125)
+    assert torch.equal(runs[0][0], want) and torch.equal(runs[0][1], want_lse)

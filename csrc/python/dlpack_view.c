@@ -95,3 +95,76 @@ int ncp_view_from_capsule(PyObject *obj, const char *name, int allow_none, ncp_v
                  cname ? cname : "(null)");
     return -1;
 }
+
+/* ---- the C exchange API ------------------------------------------------------------------- */
+
+static const ncp_dl_exchange_api *g_api = NULL;
+static PyTypeObject *g_types[4];
+static int g_ntypes = 0;
+
+int ncp_exchange_init(PyObject *types) {
+    if (!PyTuple_Check(types) || PyTuple_GET_SIZE(types) < 1 || PyTuple_GET_SIZE(types) > 4) {
+        PyErr_SetString(PyExc_TypeError, "exchange_init: types must be a tuple of 1 to 4 tensor types");
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(types); ++i)
+        if (!PyType_Check(PyTuple_GET_ITEM(types, i))) {
+            PyErr_SetString(PyExc_TypeError, "exchange_init: types must hold type objects");
+            return -1;
+        }
+    g_api = NULL;
+    g_ntypes = 0;
+    PyObject *cap = PyObject_GetAttrString(PyTuple_GET_ITEM(types, 0), "__dlpack_c_exchange_api__");
+    if (cap == NULL) {
+        PyErr_Clear(); /* an older framework: no fast path */
+        return 0;
+    }
+    const ncp_dl_exchange_api *api = NULL;
+    if (PyCapsule_CheckExact(cap) && PyCapsule_IsValid(cap, "dlpack_exchange_api"))
+        api = (const ncp_dl_exchange_api *)PyCapsule_GetPointer(cap, "dlpack_exchange_api");
+    Py_DECREF(cap);
+    if (api == NULL || api->version.major != 1 || api->dltensor_from_py_object_no_sync == NULL ||
+        api->current_work_stream == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(types); ++i) {
+        /* every registered type must publish the same table (a subclass inherits it) */
+        PyObject *c = PyObject_GetAttrString(PyTuple_GET_ITEM(types, i), "__dlpack_c_exchange_api__");
+        const void *p = c != NULL && PyCapsule_IsValid(c, "dlpack_exchange_api")
+                            ? PyCapsule_GetPointer(c, "dlpack_exchange_api") : NULL;
+        Py_XDECREF(c);
+        if (p != api) {
+            PyErr_Clear();
+            continue;
+        }
+        g_types[g_ntypes++] = (PyTypeObject *)PyTuple_GET_ITEM(types, i); /* module-lifetime types: borrowed */
+    }
+    g_api = api;
+    return 1;
+}
+
+int ncp_view_from_object(PyObject *obj, const char *name, ncp_view *v) {
+    memset(v, 0, sizeof *v);
+    if (obj == Py_None) return 1;
+    if (g_api == NULL) return 0;
+    PyTypeObject *t = Py_TYPE(obj);
+    int known = 0;
+    for (int i = 0; i < g_ntypes && !known; ++i) known = t == g_types[i];
+    if (!known) return 0;
+    ncp_dl_tensor dl;
+    if (g_api->dltensor_from_py_object_no_sync(obj, &dl) != 0) {
+        PyErr_Clear(); /* e.g. a meta tensor: the capsule path says which argument, as it always has */
+        return 0;
+    }
+    return fill_view(&dl, name, v) < 0 ? -1 : 1;
+}
+
+int ncp_exchange_stream(int32_t dev_id, void **stream) {
+    *stream = NULL;
+    if (g_api == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "the DLPack exchange API is not registered");
+        return -1;
+    }
+    return g_api->current_work_stream(NCP_DL_CUDA, dev_id, stream) == 0 ? 0 : -1;
+}

@@ -112,6 +112,84 @@ PyObject *ncp_py_sink_attn_bwd(PyObject *m, PyObject *const *args, Py_ssize_t na
     Py_RETURN_NONE;
 }
 
+/* ---- the same two calls with positional tensor objects, read through the DLPack C exchange API ----
+ *   sink_attn_fwd_x(q, k, v, out, lse, sink, cu_seqlens, row_lo, row_hi, scale, window)
+ *   sink_attn_bwd_x(q, k, v, out, lse, dout, dq, dk, dv, sink, dsink, workspace, cu_seqlens, row_lo,
+ *                   row_hi, scale, window, deterministic)
+ * Tensors are the framework's objects (None where absent), read without a capsule or a Python call
+ * (ncp_view_from_object), and a CUDA launch goes on the framework's current stream of the tensors'
+ * device (ncp_exchange_stream): the host path of every eager attention call. They return None when
+ * done and NotImplemented, having done nothing, when some tensor is not for this path (no exchange
+ * API, another tensor type, one the framework refuses): the caller then makes capsules and calls
+ * sink_attn_fwd / sink_attn_bwd, whose errors name the argument. Everything else (validation,
+ * dispatch, errors) is the keyword functions' own code. */
+
+static const int fwd_x_slots[] = {K_Q, K_K, K_V, K_OUT, K_LSE, K_SINK, K_CU, K_ROW_LO, K_ROW_HI};
+static const int bwd_x_slots[] = {K_Q,    K_K,     K_V,  K_OUT, K_LSE, K_DOUT,   K_DQ,  K_DK,
+                                  K_DV,   K_SINK,  K_DSINK, K_WS, K_CU,  K_ROW_LO, K_ROW_HI};
+static const char *const attn_names[K_N] = ATTN_NAMES;
+
+/* 1: views filled, 0: not for this path (nothing set), -1: exception. */
+static int parse_x(const char *fn, const int *slots, int nt, int nscalars, PyObject *const *args, Py_ssize_t nargs,
+                   ncp_attn_args *a) {
+    if (nargs != nt + nscalars) {
+        PyErr_Format(PyExc_TypeError, "%s() takes %d positional arguments (%zd given)", fn, nt + nscalars, nargs);
+        return -1;
+    }
+    memset(a, 0, sizeof *a);
+    for (int i = 0; i < nt; ++i) {
+        const int r = ncp_view_from_object(args[i], attn_names[slots[i]], view_slot(a, slots[i]));
+        if (r <= 0) return r;
+    }
+    if (ncp_py_f64(args[nt], "scale", &a->scale) < 0) return -1;
+    if (ncp_py_i32(args[nt + 1], "window", &a->window) < 0) return -1;
+    if (nscalars > 2 && ncp_py_i32(args[nt + 2], "deterministic", &a->deterministic) < 0) return -1;
+    return 1;
+}
+
+PyObject *ncp_py_sink_attn_fwd_x(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
+    (void)m;
+    ncp_attn_args a;
+    const int r = parse_x("sink_attn_fwd_x", fwd_x_slots, 9, 2, args, nargs, &a);
+    if (r < 0) return NULL;
+    if (r == 0) Py_RETURN_NOTIMPLEMENTED;
+    ncp_sink_attn_params p;
+    ncp_device_kind dev;
+    int32_t dev_id;
+    ncp_status st = ncp_attn_args_fwd(&a, &p, &dev, &dev_id);
+    if (st != NCP_OK) return ncp_py_raise(st);
+    void *stream = NULL;
+    if (dev == NCP_DEV_CUDA && ncp_exchange_stream(dev_id, &stream) < 0) return NULL;
+    NCP_PY_RUN(dev, dev_id, ncp_sink_attn_fwd_cpu(&p), ncp_sink_attn_fwd_cuda(&p, stream), st);
+    if (st != NCP_OK) return ncp_py_raise(st);
+    Py_RETURN_NONE;
+}
+
+PyObject *ncp_py_sink_attn_bwd_x(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
+    (void)m;
+    ncp_attn_args a;
+    const int r = parse_x("sink_attn_bwd_x", bwd_x_slots, 15, 3, args, nargs, &a);
+    if (r < 0) return NULL;
+    if (r == 0) Py_RETURN_NOTIMPLEMENTED;
+    ncp_sink_attn_bwd_params b;
+    ncp_device_kind dev;
+    int32_t dev_id;
+    ncp_status st = ncp_attn_args_bwd(&a, &b, &dev, &dev_id);
+    if (st != NCP_OK) return ncp_py_raise(st);
+    void *stream = NULL;
+    if (dev == NCP_DEV_CUDA && ncp_exchange_stream(dev_id, &stream) < 0) return NULL;
+    NCP_PY_RUN(dev, dev_id, ncp_sink_attn_bwd_cpu(&b), ncp_sink_attn_bwd_cuda(&b, stream), st);
+    if (st != NCP_OK) return ncp_py_raise(st);
+    Py_RETURN_NONE;
+}
+
+PyObject *ncp_py_exchange_init(PyObject *m, PyObject *types) {
+    (void)m;
+    const int r = ncp_exchange_init(types);
+    if (r < 0) return NULL;
+    return PyBool_FromLong(r);
+}
+
 static ncp_kwspec ws_spec = {"sink_attn_bwd_workspace", 7, 0x7f, {"Tq", "Tk", "Hq", "D", "has_sink", "deterministic", "device"}, {0}};
 
 PyObject *ncp_py_sink_attn_bwd_workspace(PyObject *m, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {

@@ -10,6 +10,9 @@
 
 PyObject *ncp_py_sink_attn_fwd(PyObject *m, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
 PyObject *ncp_py_sink_attn_bwd(PyObject *m, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
+PyObject *ncp_py_sink_attn_fwd_x(PyObject *m, PyObject *const *args, Py_ssize_t nargs);
+PyObject *ncp_py_sink_attn_bwd_x(PyObject *m, PyObject *const *args, Py_ssize_t nargs);
+PyObject *ncp_py_exchange_init(PyObject *m, PyObject *types);
 PyObject *ncp_py_sink_attn_bwd_workspace(PyObject *m, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
 PyObject *ncp_py_sink_attn_kernels(PyObject *m, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
 PyObject *ncp_py_sink_attn_check_mask(PyObject *m, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
@@ -30,6 +33,16 @@ PyObject *ncp_py_runs_expand(PyObject *m, PyObject *const *args, Py_ssize_t narg
     NCP_KW_METHOD("sink_attn_bwd", ncp_py_sink_attn_bwd,                                                             \
                   "sink_attn_bwd(*, q, k, v, out, lse, dout, dq, dk, dv, sink=None, dsink=None, workspace=None, "     \
                   "scale, cu_seqlens=None, window=0, row_lo=None, row_hi=None, deterministic=0, stream=None)."),     \
+    {"sink_attn_fwd_x", (PyCFunction)(void (*)(void))ncp_py_sink_attn_fwd_x, METH_FASTCALL,                       \
+     "sink_attn_fwd_x(q, k, v, out, lse, sink, cu_seqlens, row_lo, row_hi, scale, window): sink_attn_fwd with "     \
+     "tensor objects read through the DLPack C exchange API, on their current stream; NotImplemented when a "      \
+     "tensor is not for that path."},                                                                              \
+    {"sink_attn_bwd_x", (PyCFunction)(void (*)(void))ncp_py_sink_attn_bwd_x, METH_FASTCALL,                       \
+     "sink_attn_bwd_x(q, k, v, out, lse, dout, dq, dk, dv, sink, dsink, workspace, cu_seqlens, row_lo, row_hi, "   \
+     "scale, window, deterministic): sink_attn_bwd likewise."},                                                    \
+    {"exchange_init", (PyCFunction)ncp_py_exchange_init, METH_O,                                                   \
+     "exchange_init(types) -> bool: registers the tensor types (a tuple; the first carries "                       \
+     "__dlpack_c_exchange_api__) whose objects the _x calls read; False when the API is not usable."},             \
     NCP_KW_METHOD("sink_attn_bwd_workspace", ncp_py_sink_attn_bwd_workspace,                                         \
                   "sink_attn_bwd_workspace(*, Tq, Tk, Hq, D, has_sink, deterministic, device) -> bytes of workspace " \
                   "the CUDA backward needs on that device (0 without CUDA)."),                                       \
