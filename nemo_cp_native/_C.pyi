@@ -23,6 +23,11 @@ def thd_partition_validate(cu_seqlens_host: Capsule, cp_size: int, total_tokens:
 def mimo_plan(
     B: int, S: int, n_real: int, n_pad: int, num_chunks: int, cp_size: int, outputs: int, /
 ) -> tuple[int, ...]: ...
+def mimo_run_x(
+    input_ids: Any, labels: Any, position_ids: Any, seq_lens: Any, seq_lens_padded: Any, out: Any, host: Any,
+    num_chunks: int, cp_size: int, cp_rank: int, image_token_id: Optional[int], video_token_id: Optional[int],
+    sentinel: int, outputs: int, /,
+) -> tuple[int, int, int, int, int, int] | NotImplementedType: ...  # tensors read through the DLPack C exchange API
 def mimo_run(
     *,
     input_ids: Capsule,

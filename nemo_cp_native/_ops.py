@@ -15,7 +15,7 @@ from . import _C
 
 Fallback = _C.Fallback
 
-__all__ = ["Fallback", "build_info", "capsules", "dl", "dl_named", "has_cuda", "stream_of"]
+__all__ = ["EXCHANGE", "Fallback", "build_info", "capsules", "dl", "dl_named", "has_cuda", "stream_of"]
 
 
 def dl(t: torch.Tensor | None):
@@ -45,6 +45,12 @@ def capsules(named: dict) -> dict:
             dl_named(key, t)
         raise
 
+
+# The DLPack C exchange API (torch >= 2.10: ``torch.Tensor.__dlpack_c_exchange_api__``): the hot
+# calls (attention, the MiMo sharder) read torch.Tensor and nn.Parameter objects through it in C,
+# with no capsule and no Python call per tensor, and take torch's current stream in C (their
+# ``_x`` entry points). False on an older torch: the capsule calls only. Decided once, at import.
+EXCHANGE = bool(_C.exchange_init((torch.Tensor, torch.nn.Parameter)))
 
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 

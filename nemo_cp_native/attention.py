@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 from torch.utils.dlpack import to_dlpack
 
-from ._ops import _C, capsules, dl, dl_named, stream_of
+from ._ops import EXCHANGE, _C, capsules, dl, dl_named, stream_of
 
 __all__ = ["AttnMask", "SinkAttnFunc", "attn_backward", "attn_forward", "backward_is_deterministic", "sink_attention",
            "sink_attn_autograd"]
@@ -97,11 +97,10 @@ def backward_is_deterministic() -> bool:
 
 _F32 = torch.float32
 # The native calls read the tensors through the DLPack C exchange API where torch publishes it
-# (torch >= 2.10: ``torch.Tensor.__dlpack_c_exchange_api__``): no capsule per tensor, no keyword
-# parsing, the current stream from torch in C (_C.sink_attn_fwd_x / _bwd_x). Older torch, tensor
-# subclasses and tensors torch will not export (meta) take the capsule calls, whose errors name the
-# argument. Decided once, at import.
-_X = bool(_C.exchange_init((torch.Tensor, torch.nn.Parameter)))
+# (``_ops.EXCHANGE``): no capsule per tensor, no keyword parsing, the current stream from torch in C
+# (_C.sink_attn_fwd_x / _bwd_x). Older torch, tensor subclasses and tensors torch will not export
+# (meta) take the capsule calls, whose errors name the argument.
+_X = EXCHANGE
 
 
 def _fwd(q: Tensor, k: Tensor, v: Tensor, sink: Optional[Tensor], scale: float, mask: AttnMask) -> tuple[Tensor, Tensor]:

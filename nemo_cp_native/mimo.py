@@ -22,8 +22,10 @@ on the host. The returned tensors are views of these, made only for the outputs 
 tracking, which integer and bool tensors never use: 0.2 us less per piece than ``split_with_sizes``),
 whose mask words are viewed as bool and split again and whose layout block is viewed as int32
 (``cu_seqlens`` a slice of it, ``max_seqlen`` an element);
-``as_strided`` otherwise. Tensors cross to C as ``torch.utils.dlpack.to_dlpack`` capsules, and C
-checks their dtypes (Python only those of ``seq_lens*`` it copies off a GPU).
+``as_strided`` otherwise. C reads the tensors through the DLPack C exchange API where torch
+publishes it (``_C.mimo_run_x``: no capsule, no Python call per tensor; torch's current stream taken
+in C), else as ``torch.utils.dlpack.to_dlpack`` capsules, and checks their dtypes (Python only those
+of ``seq_lens*`` it copies off a GPU).
 
 Inputs outside that fast path (3-D mRoPE position ids, no ``seq_lens``, token or length tensors of
 a dtype other than int32 / int64, batches holding keys the framework would reinterpret, ...) run
@@ -44,6 +46,7 @@ import torch.distributed as dist
 from torch.utils.dlpack import to_dlpack
 
 from . import _compat
+from ._ops import EXCHANGE as _X
 from ._ops import Fallback, _C
 from .reference import mimo as _ref
 
@@ -207,6 +210,16 @@ def _host_metadata(tensors, device):
 _LAY_NONE, _LAY_TE, _LAY_THD = 0, 1, 2
 
 
+def _buffers(input_ids, sl, slp, C, W, outputs, dev, host_layout: bool):
+    """The call's plan (cached per shape) and fresh buffers: the flat int64 output on the tokens'
+    device, and with ``host_layout`` the layout block on the host (int32: its outputs' dtype)."""
+    key = (*input_ids.shape, sl.shape[1], slp.shape[1], C, W, outputs)
+    plan = _plans.get(key) or _plan(key)
+    out = torch.empty(plan.out_words, dtype=torch.int64, device=dev)
+    host = torch.empty(2 * plan.lay_words, dtype=torch.int32) if host_layout else None
+    return plan, out, host
+
+
 def _run(input_ids, labels, pos, sl, slp, C, W, rank, image_id, video_id, outputs, sentinel, lay=_LAY_TE):
     """One ``_C.mimo_run``: returns the named views of the output buffer ("local", "ids", "labels",
     "pos", "pad", "image", "video" as ``outputs`` asks; "cu", "max" and "cup" as ``lay`` asks)."""
@@ -214,23 +227,32 @@ def _run(input_ids, labels, pos, sl, slp, C, W, rank, image_id, video_id, output
     meta_on_gpu = sl.is_cuda or slp.is_cuda
     if meta_on_gpu:
         sl, slp = _host_metadata((sl, slp), dev)
-    try:  # the inputs first (C checks their dtypes, shapes and devices: Fallback for any it does not take)
-        c_ids, c_lab, c_pos, c_sl, c_slp = (
-            to_dlpack(input_ids), to_dlpack(labels), None if pos is None else to_dlpack(pos), to_dlpack(sl),
-            to_dlpack(slp),
+    res, plan = NotImplemented, None
+    if _X:  # the tensors read in C through the DLPack C exchange API (_ops.EXCHANGE): no capsules
+        try:
+            plan, out, host = _buffers(input_ids, sl, slp, C, W, outputs, dev, cuda and not meta_on_gpu)
+        except (BufferError, RuntimeError):  # a shape torch will not give (a nested tensor): as by capsules
+            pass
+        else:
+            res = _C.mimo_run_x(input_ids, labels, pos, sl, slp, out, host, C, W, rank, image_id, video_id, sentinel,
+                                outputs)  # fmt: skip
+    if res is NotImplemented:  # an older torch, or a tensor that path does not read: capsules
+        try:  # the inputs first (C checks their dtypes, shapes and devices: Fallback for any it does not take)
+            c_ids, c_lab, c_pos, c_sl, c_slp = (
+                to_dlpack(input_ids), to_dlpack(labels), None if pos is None else to_dlpack(pos), to_dlpack(sl),
+                to_dlpack(slp),
+            )  # fmt: skip
+        except (BufferError, RuntimeError) as exc:  # e.g. a meta, sparse or nested tensor: the reference decides
+            raise Fallback(f"a tensor cannot cross DLPack: {exc}") from None
+        if plan is None:
+            plan, out, host = _buffers(input_ids, sl, slp, C, W, outputs, dev, cuda and not meta_on_gpu)
+        res = _C.mimo_run(
+            input_ids=c_ids, labels=c_lab, position_ids=c_pos, seq_lens=c_sl, seq_lens_padded=c_slp,
+            out=to_dlpack(out), host=None if host is None else to_dlpack(host), num_chunks=C, cp_size=W, cp_rank=rank,
+            image_token_id=image_id, video_token_id=video_id, sentinel=sentinel, outputs=outputs,
+            stream=_stream(dev) if cuda else None,
         )  # fmt: skip
-    except (BufferError, RuntimeError) as exc:  # e.g. a meta, sparse or nested tensor: the reference decides
-        raise Fallback(f"a tensor cannot cross DLPack: {exc}") from None
-    key = (*input_ids.shape, sl.shape[1], slp.shape[1], C, W, outputs)
-    plan = _plans.get(key) or _plan(key)
-    out = torch.empty(plan.out_words, dtype=torch.int64, device=dev)
-    if cuda and not meta_on_gpu:  # the layout block stays on the host (int32: its outputs' dtype)
-        host = torch.empty(2 * plan.lay_words, dtype=torch.int32)
-    cu_off, cu_w, cup_off, cup_w, max_off, emit = _C.mimo_run(
-        input_ids=c_ids, labels=c_lab, position_ids=c_pos, seq_lens=c_sl, seq_lens_padded=c_slp, out=to_dlpack(out),
-        host=None if host is None else to_dlpack(host), num_chunks=C, cp_size=W, cp_rank=rank, image_token_id=image_id,
-        video_token_id=video_id, sentinel=sentinel, outputs=outputs, stream=_stream(dev) if cuda else None,
-    )  # fmt: skip
+    cu_off, cu_w, cup_off, cup_w, max_off, emit = res
     # out and host are fresh (storage offset 0), so plan offsets are storage offsets
     if C == 1:
         views = dict(zip(plan.names64, out.unsafe_split_with_sizes(plan.cut64)))

@@ -155,6 +155,35 @@ static PyObject *py_mimo_run(PyObject *m, PyObject *const *kwargs, Py_ssize_t na
                          (long long)info.cup_width, (long long)info.maxlen_off, (int)info.emit_padded);
 }
 
+static PyObject *py_mimo_run_x(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
+    /* mimo_run with positional tensor objects read through the DLPack C exchange API and the
+     * framework's current stream of input_ids' device: (input_ids, labels, position_ids, seq_lens,
+     * seq_lens_padded, out, host, num_chunks, cp_size, cp_rank, image_token_id, video_token_id,
+     * sentinel, outputs) -> mimo_run's tuple, or NotImplemented, having done nothing, when a tensor
+     * is not for this path (the caller makes capsules and calls mimo_run). */
+    (void)m;
+    if (ncp_py_nargs("mimo_run_x", nargs, 14) < 0) return NULL;
+    ncp_view v[NCP_PYM_NVIEWS];
+    const int r = ncp_pym_mimo_views_x(args, v);
+    if (r < 0) return NULL;
+    if (r == 0) Py_RETURN_NOTIMPLEMENTED;
+    ncp_pym_mimo_args a;
+    if (ncp_pym_mimo_scalars(args, &a) < 0) return NULL;
+    ncp_mimo_run_params p;
+    if (ncp_pym_mimo_params(v, &a, &p) < 0) return NULL;
+    void *stream = NULL;
+    if (v[NCP_PYM_IDS].device == NCP_DEV_CUDA && ncp_exchange_stream(v[NCP_PYM_IDS].device_id, &stream) < 0)
+        return NULL;
+    ncp_mimo_layout_info info;
+    memset(&info, 0, sizeof info);
+    ncp_status st;
+    NCP_PY_RUN(v[NCP_PYM_IDS].device, v[NCP_PYM_IDS].device_id, ncp_mimo_run_cpu(&p, &info),
+               ncp_mimo_run_cuda(&p, &info, stream), st);
+    if (st != NCP_OK) return ncp_py_raise(st);
+    return Py_BuildValue("(LLLLLi)", (long long)info.cu_off, (long long)info.cu_width, (long long)info.cup_off,
+                         (long long)info.cup_width, (long long)info.maxlen_off, (int)info.emit_padded);
+}
+
 /* ======================================================================================== */
 /* module definition                                                                         */
 /* ======================================================================================== */
@@ -177,6 +206,10 @@ static PyMethodDef methods[] = {
      "mimo_run(*, input_ids, labels, position_ids=None, seq_lens, seq_lens_padded, out, host=None, num_chunks, cp_size, "
      "cp_rank, image_token_id, video_token_id, sentinel, outputs, stream=None) -> layout offsets: one whole MiMo "
      "sharder call (Fallback for inputs outside the native path)."},
+    {"mimo_run_x", (PyCFunction)(void (*)(void))py_mimo_run_x, METH_FASTCALL,
+     "mimo_run_x(input_ids, labels, position_ids, seq_lens, seq_lens_padded, out, host, num_chunks, cp_size, cp_rank, "
+     "image_token_id, video_token_id, sentinel, outputs): mimo_run with tensor objects read through the DLPack C "
+     "exchange API, on their current stream; NotImplemented when a tensor is not for that path."},
     NCP_ATTN_METHODS,
     {"build_info", py_build_info, METH_NOARGS, "build_info() -> dict describing this build."},
     {NULL, NULL, 0, NULL},

@@ -154,6 +154,21 @@ int ncp_pym_mimo_views(PyObject *const *args, ncp_view *v) {
     return 0;
 }
 
+int ncp_pym_mimo_views_x(PyObject *const *args, ncp_view *v) {
+    static const char *names[NCP_PYM_NVIEWS] = {"input_ids", "labels", "position_ids", "seq_lens",
+                                                "seq_lens_padded", "out", "host"};
+    static const int optional[NCP_PYM_NVIEWS] = {0, 1, 1, 0, 0, 0, 1};
+    for (int i = 0; i < NCP_PYM_NVIEWS; ++i) {
+        if (args[i] == Py_None && !optional[i]) return 0; /* misuse: the capsule call says so */
+        const int r = ncp_view_from_object(args[i], names[i], &v[i]);
+        if (r == 1) continue;
+        if (r == 0) return 0;
+        /* as ncp_pym_mimo_views: an input a view cannot hold is outside the native path */
+        return i < NCP_PYM_OUT && PyErr_ExceptionMatches(PyExc_ValueError) ? to_fallback() : -1;
+    }
+    return 1;
+}
+
 static void fill_token(const ncp_view *v, const void **data, ncp_dtype *dt, int64_t *st0, int64_t *st1) {
     if (!v->present) return;
     *data = v->data;

@@ -37,6 +37,11 @@ typedef struct {
  * non-capsule, a consumed capsule, a bad out / host) raises as the parser does. */
 int ncp_pym_mimo_views(PyObject *const *args, ncp_view *v);
 
+/* ncp_pym_mimo_views for tensor objects read through the DLPack C exchange API (mimo_run_x):
+ * returns 1 when every view is filled, 0 when some argument is not for that path (nothing set:
+ * the caller takes the capsule call), -1 with an exception as ncp_pym_mimo_views raises it. */
+int ncp_pym_mimo_views_x(PyObject *const *args, ncp_view *v);
+
 /* Parses the scalars args[7..13] of mimo_run (see module.c). A media token id that does not fit
  * in int64 raises _C.Fallback (the reference compares it against the tokens, whatever it is). */
 int ncp_pym_mimo_scalars(PyObject *const *args, ncp_pym_mimo_args *a);

@@ -166,3 +166,131 @@ def test_exchange_init_checks_its_argument_and_can_be_restored():
             assert all(torch.isfinite(t).all() for t in _run(q, k, v, s, mask))
     finally:
         assert _C.exchange_init((torch.Tensor, torch.nn.Parameter)) is HAS_API
+
+
+# ---- the MiMo sharder ----------------------------------------------------------------------------
+
+from _mesh import FakeCPMesh, fake_dist  # noqa: E402
+from _upstream import assert_same_outcome, call  # noqa: E402
+
+from nemo_cp_native import mimo as M  # noqa: E402
+from nemo_cp_native.testing import make_mimo_batch  # noqa: E402
+
+
+@pytest.mark.skipif(not HAS_API, reason="this torch has no DLPack C exchange API")
+@pytest.mark.parametrize("C", [1, 2, 4])
+@pytest.mark.parametrize("mesh", [FakeCPMesh(1, 0), FakeCPMesh(2, 1), FakeCPMesh(4, 3)], ids=["cp1", "cp2", "cp4"])
+def test_mimo_fast_path_gives_the_capsule_paths_outputs(C, mesh, monkeypatch, ncp_seed):
+    """``shard_batch_for_mimo_te`` through ``_C.mimo_run_x`` (no capsule made) and through the capsule
+    call: the same dict, keys, dtypes, shapes and values, and the same errors."""
+    g = torch.Generator().manual_seed(ncp_seed)
+    batch = make_mimo_batch(8, 64, num_chunks=C, cp_size=mesh.size(), generator=g, docs_per_row=(1, 3),
+                            image_token_id=5, video_token_id=6, media_fraction=0.2)  # fmt: skip
+    if mesh.size() == 1 and C == 1:  # the one native case without position ids
+        batch["position_ids"] = None
+    made = []
+    monkeypatch.setattr(M, "to_dlpack", lambda t: made.append(t) or dl(t))
+    outcomes = []
+    for fast in (True, False):
+        monkeypatch.setattr(M, "_X", fast)
+        with fake_dist(mesh):
+            outcomes.append(call(M.shard_batch_for_mimo_te, mesh, None, dict(batch), num_chunks=C))
+        assert (made == []) == fast, len(made)
+        assert M.fast_path_info()["path"] == "native", M.fast_path_info()
+    assert_same_outcome(*outcomes)
+    if mesh.size() == 1:
+        return
+    bad = dict(batch, seq_lens_padded=batch["seq_lens_padded"] + 1)  # not divisible by 2 cp: the same error
+    errs = []
+    for fast in (True, False):
+        monkeypatch.setattr(M, "_X", fast)
+        with fake_dist(mesh):
+            errs.append(call(M.shard_batch_for_mimo_te, mesh, None, bad, num_chunks=C))
+    assert errs[0][0] == "err"
+    assert_same_outcome(*errs)
+
+
+@pytest.mark.skipif(not HAS_API, reason="this torch has no DLPack C exchange API")
+def test_mimo_run_x_reads_as_mimo_run_does():
+    """``_C.mimo_run_x``: the keyword call's results; unmapped input dtypes are ``Fallback`` with the
+    same message; required None, unknown objects and refused tensors are NotImplemented (nothing
+    written); bad buffers stay errors."""
+    z, lens = torch.zeros(4, 16, dtype=torch.long), torch.full((4, 1), 16)
+    plan = M._plan((4, 16, 1, 1, 1, 2, 7))
+    order = ("input_ids", "labels", "position_ids", "seq_lens", "seq_lens_padded", "out", "host")
+    scalars = dict(num_chunks=1, cp_size=2, cp_rank=0, image_token_id=None, video_token_id=None, sentinel=-1000,
+                   outputs=7)  # fmt: skip
+
+    def both(**over):
+        ts = dict(input_ids=z, labels=z, position_ids=z, seq_lens=lens, seq_lens_padded=lens, host=None)
+        ts.update(over)
+        res = []
+        for fast in (True, False):
+            out = torch.full((plan.out_words,), -7, dtype=torch.int64)
+            t = dict(ts, out=ts.get("out", out))
+            try:
+                if fast:
+                    r = _C.mimo_run_x(*(t[k] for k in order), *scalars.values())
+                else:
+                    r = _C.mimo_run(**{k: (dl(v) if isinstance(v, torch.Tensor) else v) for k, v in t.items()},
+                                    **scalars, stream=None)  # fmt: skip
+                res.append(("ok", r, t["out"].clone()))
+            except Exception as e:  # noqa: BLE001 - compared below
+                res.append(("err", type(e), str(e)))
+        return res
+
+    (fk, fr, fo), (ck, cr, co) = both()
+    assert fk == ck == "ok" and fr == cr and torch.equal(fo, co)
+    for key, t in (("input_ids", z.to(torch.complex64)), ("labels", z.to(torch.uint8)),
+                   ("position_ids", z.reshape(4, 16, *[1] * 7)), ("seq_lens", lens.short())):  # fmt: skip
+        fast, caps = both(**{key: t})
+        assert fast == caps and fast[1] is _C.Fallback, (key, fast, caps)
+    fast, caps = both(out=torch.zeros(8, dtype=torch.complex64))
+    assert fast == caps and fast[1] is ValueError and "out: unsupported dtype" in fast[2]
+    out = torch.full((plan.out_words,), -7, dtype=torch.int64)
+    for k, bad in (("input_ids", None), ("labels", [1]), ("seq_lens", lens.to("meta")), ("out", out.as_subclass(_Sub))):
+        t = dict(input_ids=z, labels=z, position_ids=z, seq_lens=lens, seq_lens_padded=lens, out=out, host=None)
+        t[k] = bad
+        assert _C.mimo_run_x(*(t[n] for n in order), *scalars.values()) is NotImplemented, k
+    assert bool((out == -7).all())
+    with pytest.raises(TypeError, match=r"mimo_run_x\(\) takes 14 arguments \(13 given\)"):
+        _C.mimo_run_x(*(None,) * 13)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_API, reason="this torch has no DLPack C exchange API")
+@pytest.mark.parametrize("meta_on", ["cpu", "cuda"])
+@pytest.mark.parametrize("C", [1, 4])
+def test_cuda_mimo_fast_path_matches_capsules_on_a_side_stream(C, meta_on, monkeypatch, ncp_seed):
+    """On the GPU, tokens written on a side stream after a queued spin: the fast path's kernel runs on
+    that (current) stream, so it reads the written tokens; its outputs equal the capsule path's."""
+    mesh = FakeCPMesh(4, 1)
+    g = torch.Generator().manual_seed(ncp_seed)
+    batch = make_mimo_batch(8, 256, num_chunks=C, cp_size=4, generator=g, docs_per_row=(1, 3), image_token_id=5,
+                            video_token_id=6, media_fraction=0.2)  # fmt: skip
+    on_gpu = {key: t.cuda() for key, t in batch.items()
+              if isinstance(t, torch.Tensor) and (key not in ("seq_lens", "seq_lens_padded") or meta_on == "cuda")}
+    outcomes = []
+    for fast in (True, False):
+        monkeypatch.setattr(M, "_X", fast)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            b = {key: torch.zeros_like(on_gpu[key]) if key in on_gpu else t for key, t in batch.items()}
+            torch.cuda._sleep(50_000_000)
+            for key, t in on_gpu.items():  # device to device, queued behind the spin on the side stream
+                b[key].copy_(t)
+            with fake_dist(mesh):
+                outcomes.append(call(M.shard_batch_for_mimo_te, mesh, None, b, num_chunks=C))
+            assert M.fast_path_info()["path"] == "native", M.fast_path_info()
+        side.synchronize()
+    assert outcomes[0][0] == "ok"
+    assert_same_outcome(*outcomes)
+    with fake_dist(mesh):  # and both are the CPU batch's result, moved
+        want = call(M.shard_batch_for_mimo_te, mesh, None, dict(batch), num_chunks=C)
+    assert want[0] == "ok"
+    got_batch, want_batch = outcomes[0][1][1], want[1][1]  # (context, prepared batch, layout)
+    assert got_batch.keys() == want_batch.keys()
+    for key, v in want_batch.items():
+        if isinstance(v, torch.Tensor) and key not in ("seq_lens", "seq_lens_padded"):
+            assert torch.equal(got_batch[key].cpu(), v), key
