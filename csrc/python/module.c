@@ -127,6 +127,26 @@ static ncp_kwspec mimo_run_spec = {"mimo_run", 15, 0x3fbb,
                                     "outputs", "stream"},
                                    {0}};
 
+/* The rest of one mimo_run / mimo_run_x call once the views are read: scalars args[7..13], checks,
+ * the run. `exchange`: launch on torch's current stream of input_ids' device (DLPack C exchange
+ * API), else on `stream`. */
+static PyObject *mimo_run_views(const ncp_view *v, PyObject *const *args, void *stream, int exchange) {
+    ncp_pym_mimo_args a;
+    if (ncp_pym_mimo_scalars(args, &a) < 0) return NULL;
+    ncp_mimo_run_params p;
+    if (ncp_pym_mimo_params(v, &a, &p) < 0) return NULL;
+    if (exchange && v[NCP_PYM_IDS].device == NCP_DEV_CUDA && ncp_exchange_stream(v[NCP_PYM_IDS].device_id, &stream) < 0)
+        return NULL;
+    ncp_mimo_layout_info info;
+    memset(&info, 0, sizeof info);
+    ncp_status st;
+    NCP_PY_RUN(v[NCP_PYM_IDS].device, v[NCP_PYM_IDS].device_id, ncp_mimo_run_cpu(&p, &info),
+               ncp_mimo_run_cuda(&p, &info, stream), st);
+    if (st != NCP_OK) return ncp_py_raise(st);
+    return Py_BuildValue("(LLLLLi)", (long long)info.cu_off, (long long)info.cu_width, (long long)info.cup_off,
+                         (long long)info.cup_width, (long long)info.maxlen_off, (int)info.emit_padded);
+}
+
 static PyObject *py_mimo_run(PyObject *m, PyObject *const *kwargs, Py_ssize_t nargs, PyObject *kwnames) {
     /* keyword-only: (input_ids, labels, position_ids=None, seq_lens, seq_lens_padded, out, host=None,
      *  num_chunks, cp_size, cp_rank, image_token_id, video_token_id, sentinel, outputs, stream=None)
@@ -140,19 +160,9 @@ static PyObject *py_mimo_run(PyObject *m, PyObject *const *kwargs, Py_ssize_t na
         if (args[i] == NULL) args[i] = Py_None;
     ncp_view v[NCP_PYM_NVIEWS];
     if (ncp_pym_mimo_views(args, v) < 0) return NULL;
-    ncp_pym_mimo_args a;
     void *stream;
-    if (ncp_pym_mimo_scalars(args, &a) < 0 || ncp_py_stream(args[14], &stream) < 0) return NULL;
-    ncp_mimo_run_params p;
-    if (ncp_pym_mimo_params(v, &a, &p) < 0) return NULL;
-    ncp_mimo_layout_info info;
-    memset(&info, 0, sizeof info);
-    ncp_status st;
-    NCP_PY_RUN(v[NCP_PYM_IDS].device, v[NCP_PYM_IDS].device_id, ncp_mimo_run_cpu(&p, &info),
-               ncp_mimo_run_cuda(&p, &info, stream), st);
-    if (st != NCP_OK) return ncp_py_raise(st);
-    return Py_BuildValue("(LLLLLi)", (long long)info.cu_off, (long long)info.cu_width, (long long)info.cup_off,
-                         (long long)info.cup_width, (long long)info.maxlen_off, (int)info.emit_padded);
+    if (ncp_py_stream(args[14], &stream) < 0) return NULL;
+    return mimo_run_views(v, args, stream, 0);
 }
 
 static PyObject *py_mimo_run_x(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
@@ -167,21 +177,7 @@ static PyObject *py_mimo_run_x(PyObject *m, PyObject *const *args, Py_ssize_t na
     const int r = ncp_pym_mimo_views_x(args, v);
     if (r < 0) return NULL;
     if (r == 0) Py_RETURN_NOTIMPLEMENTED;
-    ncp_pym_mimo_args a;
-    if (ncp_pym_mimo_scalars(args, &a) < 0) return NULL;
-    ncp_mimo_run_params p;
-    if (ncp_pym_mimo_params(v, &a, &p) < 0) return NULL;
-    void *stream = NULL;
-    if (v[NCP_PYM_IDS].device == NCP_DEV_CUDA && ncp_exchange_stream(v[NCP_PYM_IDS].device_id, &stream) < 0)
-        return NULL;
-    ncp_mimo_layout_info info;
-    memset(&info, 0, sizeof info);
-    ncp_status st;
-    NCP_PY_RUN(v[NCP_PYM_IDS].device, v[NCP_PYM_IDS].device_id, ncp_mimo_run_cpu(&p, &info),
-               ncp_mimo_run_cuda(&p, &info, stream), st);
-    if (st != NCP_OK) return ncp_py_raise(st);
-    return Py_BuildValue("(LLLLLi)", (long long)info.cu_off, (long long)info.cu_width, (long long)info.cup_off,
-                         (long long)info.cup_width, (long long)info.maxlen_off, (int)info.emit_padded);
+    return mimo_run_views(v, args, NULL, 1);
 }
 
 /* ======================================================================================== */

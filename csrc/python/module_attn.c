@@ -82,19 +82,38 @@ static int parse_attn(ncp_kwspec *spec, PyObject *const *args, Py_ssize_t nargs,
     return 0;
 }
 
+/* Validates and runs one forward / backward. `exchange`: launch on torch's current stream of the
+ * tensors' device (asked through the DLPack C exchange API), else on `stream` (the caller's). */
+static PyObject *run_fwd(ncp_attn_args *a, void *stream, int exchange) {
+    ncp_sink_attn_params p;
+    ncp_device_kind dev;
+    int32_t dev_id;
+    ncp_status st = ncp_attn_args_fwd(a, &p, &dev, &dev_id);
+    if (st != NCP_OK) return ncp_py_raise(st);
+    if (exchange && dev == NCP_DEV_CUDA && ncp_exchange_stream(dev_id, &stream) < 0) return NULL;
+    NCP_PY_RUN(dev, dev_id, ncp_sink_attn_fwd_cpu(&p), ncp_sink_attn_fwd_cuda(&p, stream), st);
+    if (st != NCP_OK) return ncp_py_raise(st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *run_bwd(ncp_attn_args *a, void *stream, int exchange) {
+    ncp_sink_attn_bwd_params b;
+    ncp_device_kind dev;
+    int32_t dev_id;
+    ncp_status st = ncp_attn_args_bwd(a, &b, &dev, &dev_id);
+    if (st != NCP_OK) return ncp_py_raise(st);
+    if (exchange && dev == NCP_DEV_CUDA && ncp_exchange_stream(dev_id, &stream) < 0) return NULL;
+    NCP_PY_RUN(dev, dev_id, ncp_sink_attn_bwd_cpu(&b), ncp_sink_attn_bwd_cuda(&b, stream), st);
+    if (st != NCP_OK) return ncp_py_raise(st);
+    Py_RETURN_NONE;
+}
+
 PyObject *ncp_py_sink_attn_fwd(PyObject *m, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     (void)m;
     ncp_attn_args a;
     void *stream;
     if (parse_attn(&fwd_spec, args, nargs, kwnames, &a, &stream) < 0) return NULL;
-    ncp_sink_attn_params p;
-    ncp_device_kind dev;
-    int32_t dev_id;
-    ncp_status st = ncp_attn_args_fwd(&a, &p, &dev, &dev_id);
-    if (st != NCP_OK) return ncp_py_raise(st);
-    NCP_PY_RUN(dev, dev_id, ncp_sink_attn_fwd_cpu(&p), ncp_sink_attn_fwd_cuda(&p, stream), st);
-    if (st != NCP_OK) return ncp_py_raise(st);
-    Py_RETURN_NONE;
+    return run_fwd(&a, stream, 0);
 }
 
 PyObject *ncp_py_sink_attn_bwd(PyObject *m, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
@@ -102,14 +121,7 @@ PyObject *ncp_py_sink_attn_bwd(PyObject *m, PyObject *const *args, Py_ssize_t na
     ncp_attn_args a;
     void *stream;
     if (parse_attn(&bwd_spec, args, nargs, kwnames, &a, &stream) < 0) return NULL;
-    ncp_sink_attn_bwd_params b;
-    ncp_device_kind dev;
-    int32_t dev_id;
-    ncp_status st = ncp_attn_args_bwd(&a, &b, &dev, &dev_id);
-    if (st != NCP_OK) return ncp_py_raise(st);
-    NCP_PY_RUN(dev, dev_id, ncp_sink_attn_bwd_cpu(&b), ncp_sink_attn_bwd_cuda(&b, stream), st);
-    if (st != NCP_OK) return ncp_py_raise(st);
-    Py_RETURN_NONE;
+    return run_bwd(&a, stream, 0);
 }
 
 /* ---- the same two calls with positional tensor objects, read through the DLPack C exchange API ----
@@ -153,16 +165,7 @@ PyObject *ncp_py_sink_attn_fwd_x(PyObject *m, PyObject *const *args, Py_ssize_t 
     const int r = parse_x("sink_attn_fwd_x", fwd_x_slots, 9, 2, args, nargs, &a);
     if (r < 0) return NULL;
     if (r == 0) Py_RETURN_NOTIMPLEMENTED;
-    ncp_sink_attn_params p;
-    ncp_device_kind dev;
-    int32_t dev_id;
-    ncp_status st = ncp_attn_args_fwd(&a, &p, &dev, &dev_id);
-    if (st != NCP_OK) return ncp_py_raise(st);
-    void *stream = NULL;
-    if (dev == NCP_DEV_CUDA && ncp_exchange_stream(dev_id, &stream) < 0) return NULL;
-    NCP_PY_RUN(dev, dev_id, ncp_sink_attn_fwd_cpu(&p), ncp_sink_attn_fwd_cuda(&p, stream), st);
-    if (st != NCP_OK) return ncp_py_raise(st);
-    Py_RETURN_NONE;
+    return run_fwd(&a, NULL, 1);
 }
 
 PyObject *ncp_py_sink_attn_bwd_x(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
@@ -171,16 +174,7 @@ PyObject *ncp_py_sink_attn_bwd_x(PyObject *m, PyObject *const *args, Py_ssize_t 
     const int r = parse_x("sink_attn_bwd_x", bwd_x_slots, 15, 3, args, nargs, &a);
     if (r < 0) return NULL;
     if (r == 0) Py_RETURN_NOTIMPLEMENTED;
-    ncp_sink_attn_bwd_params b;
-    ncp_device_kind dev;
-    int32_t dev_id;
-    ncp_status st = ncp_attn_args_bwd(&a, &b, &dev, &dev_id);
-    if (st != NCP_OK) return ncp_py_raise(st);
-    void *stream = NULL;
-    if (dev == NCP_DEV_CUDA && ncp_exchange_stream(dev_id, &stream) < 0) return NULL;
-    NCP_PY_RUN(dev, dev_id, ncp_sink_attn_bwd_cpu(&b), ncp_sink_attn_bwd_cuda(&b, stream), st);
-    if (st != NCP_OK) return ncp_py_raise(st);
-    Py_RETURN_NONE;
+    return run_bwd(&a, NULL, 1);
 }
 
 PyObject *ncp_py_exchange_init(PyObject *m, PyObject *types) {
