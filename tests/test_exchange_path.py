@@ -136,6 +136,39 @@ def test_x_calls_check_their_arguments_as_the_keyword_calls_do():
 
 
 @pytest.mark.skipif(not HAS_API, reason="this torch has no DLPack C exchange API")
+def test_bwd_x_checks_its_arguments_as_the_keyword_call_does():
+    q, k, v, s, cu = _case()
+    out, lse = attn_forward(q, k, v, s, AttnMask(cu_seqlens=cu, window=0), 0.5)
+    order = ("q", "k", "v", "out", "lse", "dout", "dq", "dk", "dv", "sink", "dsink", "workspace", "cu_seqlens",
+             "row_lo", "row_hi", "scale", "window", "deterministic")  # fmt: skip
+
+    def both(**kw):
+        a = dict(q=q, k=k, v=v, out=out, lse=lse, dout=torch.ones_like(out), dq=torch.empty_like(q),
+                 dk=torch.empty_like(k), dv=torch.empty_like(v), sink=s, dsink=torch.empty_like(s), workspace=None,
+                 cu_seqlens=cu, row_lo=None, row_hi=None, scale=0.5, window=0, deterministic=0)  # fmt: skip
+        a.update(kw)
+        errs = []
+        for fast in (True, False):
+            try:
+                if fast:
+                    assert _C.sink_attn_bwd_x(*(a[n] for n in order)) is None
+                else:
+                    _C.sink_attn_bwd(**{n: (dl(t) if isinstance(t, torch.Tensor) else t) for n, t in a.items()})
+                errs.append(None)
+            except (ValueError, TypeError) as e:
+                errs.append((type(e), str(e)))
+        return errs
+
+    assert both() == [None, None]
+    for kw in (dict(dq=torch.empty(15, 4, 7)), dict(dk=torch.empty_like(k, dtype=torch.float64)),
+               dict(dsink=None), dict(dout=None), dict(workspace=torch.empty(4, dtype=torch.float64)),
+               dict(deterministic=True), dict(deterministic=2**40), dict(scale=float("nan")),
+               dict(cu_seqlens=torch.tensor([0, 3, 2, 15], dtype=torch.int32))):  # fmt: skip
+        x, ref = both(**kw)
+        assert ref is not None and x == ref, (kw, x, ref)
+
+
+@pytest.mark.skipif(not HAS_API, reason="this torch has no DLPack C exchange API")
 def test_x_calls_refuse_what_they_cannot_read_without_side_effects():
     q, k, v, s, cu = _case()
     out, lse = torch.zeros_like(q), torch.zeros(4, 15)
