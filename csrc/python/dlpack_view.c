@@ -113,6 +113,7 @@ int ncp_exchange_init(PyObject *types) {
             return -1;
         }
     g_api = NULL;
+    for (int i = 0; i < g_ntypes; ++i) Py_DECREF(g_types[i]);
     g_ntypes = 0;
     PyObject *cap = PyObject_GetAttrString(PyTuple_GET_ITEM(types, 0), "__dlpack_c_exchange_api__");
     if (cap == NULL) {
@@ -138,7 +139,9 @@ int ncp_exchange_init(PyObject *types) {
             PyErr_Clear();
             continue;
         }
-        g_types[g_ntypes++] = (PyTypeObject *)PyTuple_GET_ITEM(types, i); /* module-lifetime types: borrowed */
+        PyObject *type = PyTuple_GET_ITEM(types, i);
+        Py_INCREF(type); /* held until the next registration */
+        g_types[g_ntypes++] = (PyTypeObject *)type;
     }
     g_api = api;
     return 1;
