@@ -56,8 +56,12 @@ __global__ void __launch_bounds__(kThreads, 1)
     Split::consumer();
     DkdvConsumer<T, D, ADQ> c(p, w, bar, base, s_l2, s_dl, s_kb, sm90::warp_uniform(wg - 1));
     sm90::mbar_wait(bar.stat(), 0);
-    if constexpr (ADQ) c.template run_adq<SKIP>(ws.dq_accum);
+    if constexpr (ADQ && D == 128 && !SKIP) c.run_adq_deferred(ws.dq_accum);
+    else if constexpr (ADQ) c.template run_adq<SKIP>(ws.dq_accum);
     else c.template run_det<SKIP>();
+    /* With D = 128 each warpgroup's dQ MMAs read all 128 rows of K; store() rewrites this
+     * warpgroup's rows, so both warpgroups' last dQ MMAs must be done first. */
+    if constexpr (ADQ && D == 128) sm90::named_sync(kKFree, 256);
     c.store(b);
 #else
     __trap(); /* never launched: the dispatcher picks this kernel only on sm_90a builds and devices */

@@ -224,7 +224,6 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
         const uint32_t sKc = sK() + cb * KVB * 128; /* K's column block of this warpgroup's dQ columns */
         const uint32_t sStw = base + L::stage_off + cw * 64 * 64 * 4;
         const bool leader = (threadIdx.x & 127) == 0;
-        const int n_qt = (p.Tq + KQB - 1) / KQB;
         uint32_t f = SKIP ? wait_item(0) : 1u;
         for (int it = 0; it < w.n_it; ++it) {
             if (SKIP && D == 64 && !(f & 1u)) { /* this warpgroup's share of dK, dV and dQ is zero */
@@ -288,21 +287,96 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
                 }
             }
             release(it);
-#pragma unroll
-            for (int j = 0; j < 8; ++j)
-#pragma unroll
-                for (int r = 0; r < 2; ++r)
-                    asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(sStw + 8 * dq_frag_pos(warp, j, r, lane)),
-                                 "f"(dq[4 * j + 2 * r]), "f"(dq[4 * j + 2 * r + 1]));
-            sm90::fence_proxy_async_smem();
-            sm90::named_sync(1 + cw, 128);
-            if (leader) {
-                const int qt = w.q0(it) / KQB;
-                float *dst = dq_accum + (((int64_t)w.head(it) * n_qt + qt) * (D / 64) + cb) * 4096;
-                sm90::bulk_reduce_add_f32(dst, sStw, 64 * 64 * 4);
-            }
+            reduce_dq(dq, it, sStw, cb, dq_accum);
         }
         if (leader) sm90::bulk_wait_read<0>(); /* shared memory must outlive the last reads */
+    }
+
+    /* This warpgroup's 64 x 64 dQ share of item it: staged in fragment order, then added into the
+     * fp32 workspace by one bulk reduction of the leader thread (which has waited for the staging
+     * tile's previous reads behind a barrier that the warpgroup passed since). */
+    __device__ __forceinline__ void reduce_dq(const float *dq, int it, uint32_t sStw, int cb, float *dq_accum) const {
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+#pragma unroll
+            for (int r = 0; r < 2; ++r)
+                asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(sStw + 8 * dq_frag_pos(warp, j, r, lane)),
+                             "f"(dq[4 * j + 2 * r]), "f"(dq[4 * j + 2 * r + 1]));
+        sm90::fence_proxy_async_smem();
+        sm90::named_sync(1 + cw, 128);
+        if ((threadIdx.x & 127) == 0) {
+            const int n_qt = (p.Tq + KQB - 1) / KQB, qt = w.q0(it) / KQB;
+            float *dst = dq_accum + (((int64_t)w.head(it) * n_qt + qt) * (D / 64) + cb) * 4096;
+            sm90::bulk_reduce_add_f32(dst, sStw, 64 * 64 * 4);
+        }
+    }
+
+    /* Atomic dQ, D = 128, no skipping (causal and table masks): the dQ MMA of item it runs one item
+     * late, beside the dK MMA of item it + 1, so neither warpgroup waits at a common barrier for the
+     * other's dS^T of the item it is on: the two may drift up to about one item apart, and one's
+     * softmax then runs beside the other's MMAs. Hand-offs by named barriers, one arriving
+     * warpgroup and one syncing (256 threads each, ids kDsReady and kDqDone + 2 warpgroup + parity):
+     *   ready(c, i): warpgroup c stored its dS^T rows of item i (buffer i & 1); the other syncs on
+     *                it before the dQ MMA of item i (which reads both warpgroups' rows);
+     *   done(c, i):  warpgroup c's dQ MMA of item i is complete; the other syncs on it before it
+     *                rewrites buffer i & 1 with item i + 2.
+     * Each barrier instance gets its arrival before the next one on the same id can be made, so
+     * the counts never mix: c arrives on ready(c, i + 2) only after syncing done(1 - c, i), which
+     * the other arrives on after syncing ready(c, i). */
+    __device__ __forceinline__ void run_adq_deferred(float *dq_accum) {
+        static_assert(D == 128, "the D = 64 kernels compute each warpgroup's dQ from its own keys");
+        const uint32_t sStw = base + L::stage_off + cw * 64 * 64 * 4;
+        const int n = w.n_it;
+        if (n == 0) return;
+        deferred_item<true>(0, sStw, dq_accum); /* item 0 has no dQ of an earlier item: peeled, so no
+                                                * MMA is issued under a run-time branch (C7512) */
+        for (int it = 1; it < n; ++it) deferred_item<false>(it, sStw, dq_accum);
+        /* the last item's dQ */
+        float dq[32];
+        const bool leader = (threadIdx.x & 127) == 0;
+        if (leader) sm90::bulk_wait_read<0>();
+        sm90::named_sync(kDsReady + 2 * (1 - cw) + ((n - 1) & 1), 256);
+        sm90::fence_regs(dq, 32);
+        sm90::wg_fence();
+        issue_dq<KVB>(dq, base + L::ds_off + ((n - 1) & 1) * L::ds_bytes, sK() + cw * KVB * 128, 0);
+        sm90::wg_commit();
+        sm90::wg_wait<0>();
+        sm90::fence_regs(dq, 32);
+        reduce_dq(dq, n - 1, sStw, cw, dq_accum);
+        if (leader) sm90::bulk_wait_read<0>(); /* shared memory must outlive the last reads */
+    }
+    /* Item it of run_adq_deferred: its S^T, dP^T, dV and dK, and the dQ of item it - 1 (FIRST: none). */
+    template <bool FIRST> __device__ __forceinline__ void deferred_item(int it, uint32_t sStw, float *dq_accum) {
+        const int other = 1 - cw, n = w.n_it, s = Ring::slot(it);
+        const uint32_t sDS = base + L::ds_off + (it & 1) * L::ds_bytes;
+        float st[KQB / 2], dpt[KQB / 2], dq[32];
+        uint32_t pf[KQB / 16][4];
+        const uint32_t f = sdp<false>(st, dpt, it, 1u);
+        if (it >= 2) sm90::named_sync(kDqDone + 2 * other + (it & 1), 256); /* dQ of item it - 2 read buffer it & 1 */
+        probs_to_smem(st, dpt, pf, sDS, it, (f >> 1) & 1u);
+        sm90::fence_regs(dv, D / 2);
+        sm90::wg_fence();
+        sm90::rs_steps<T, D, KQB>(dv, pf, sO(s), KQB * 128); /* dV += P^T dO */
+        sm90::wg_commit();
+        sm90::fence_proxy_async_smem(); /* the generic-proxy stores above, before wgmma reads */
+        sm90::named_arrive(kDsReady + 2 * cw + (it & 1), 256);
+        if (!FIRST) {
+            if ((threadIdx.x & 127) == 0) sm90::bulk_wait_read<0>(); /* staging free once the next barrier passes */
+            sm90::named_sync(kDsReady + 2 * other + ((it - 1) & 1), 256);
+        }
+        issue_dk(sm90::desc_lo(sDS + 64 * cw * 128, sm90::kLboKMajor), sm90::desc_lo(sQ(s), KQB * 128), dq);
+        if (!FIRST) issue_dq<KVB>(dq, base + L::ds_off + ((it - 1) & 1) * L::ds_bytes, sK() + cw * KVB * 128, 0);
+        sm90::wg_commit();
+        sm90::wg_wait<0>();
+        sm90::fence_regs(dv, D / 2);
+        sm90::fence_regs(dk, D / 2);
+        sm90::fence_regs(dq, 32);
+        fence_frags(pf);
+        release(it);
+        if (!FIRST) {
+            if (it - 1 <= n - 3) sm90::named_arrive(kDqDone + 2 * cw + ((it - 1) & 1), 256);
+            reduce_dq(dq, it - 1, sStw, cw, dq_accum);
+        }
     }
 
     /* The rows of this warpgroup in sK / sV are free once its MMAs are done: stage dK, dV there. */

@@ -30,6 +30,9 @@ constexpr int KQB = 64;       /* dK/dV kernel: q rows per streamed tile */
 constexpr int QQB = 128;      /* dQ kernel: q rows per CTA */
 constexpr int QKB = 64;       /* dQ kernel: keys per streamed tile */
 constexpr int kDsBar = 3;     /* named barrier: both warpgroups' dS^T stored (atomic-dQ kernel) */
+constexpr int kDsReady = 4;   /* named barriers 4..7: a warpgroup's dS^T of an item stored (deferred dQ) */
+constexpr int kDqDone = 8;    /* named barriers 8..11: a warpgroup's dQ MMA of an item done (deferred dQ) */
+constexpr int kKFree = 12;    /* named barrier: both warpgroups' last dQ MMAs (which read all of K) done */
 static_assert(KVB == kBwdKvTile && KQB == kBwdKvStep && QQB == kBwdQTile && QKB == kBwdQStep,
               "the pre-pass measures the grids' tile work with the tiles of launch.h");
 using Ring = sm90::Ring<kStages>;
