@@ -10,7 +10,10 @@
  *   ADQ (default, not deterministic): dS^T also goes to shared memory; dK += dS^T Q and dQ = dS K
  *     read it from there, and each warpgroup adds its 64 x 64 dQ tile into the fp32 workspace with
  *     one bulk asynchronous reduction (5 MMAs per item; the order of the additions, so the last
- *     bits of dq, vary from run to run).
+ *     bits of dq, vary from run to run). With D = 128 and no skipping (causal, CP tables) an item's
+ *     dQ MMA runs one item late (run_adq_deferred), so the warpgroups need not meet at one barrier
+ *     per item and their softmaxes interleave with each other's MMAs (+2.7% to +3.1% causal
+ *     forward+backward, docs/EXPERIMENTS.md).
  *   deterministic: no atomics; dQ comes from the dQ kernel (7 MMAs per item in all).
  * Skipping (SKIP, chosen per launch: documents with a window; docs/EXPERIMENTS.md): a warpgroup none
  * of whose 64 keys a row of the item sees (KeyVis::flags) skips the item. Under a window the first
