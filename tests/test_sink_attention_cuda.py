@@ -319,6 +319,15 @@ def test_cuda_backward_tile_orders_change_no_bit(table, ncp_seed, monkeypatch):
                     assert torch.equal(a_, b_), f"{name} (deterministic={det})"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_backward_short_key_tiles(dtype, ncp_seed, kernel):
+    """Causal, D = 128, one query head per kv head: the dK/dV CTAs of 128 keys see 1, 2, 3 and 5
+    q tiles of 64 rows (documents 192, 256, 64, 130), so the Hopper kernel's item loop runs with
+    its first item alone, no steady state, and one or two items of hand-offs between the
+    warpgroups (the deferred dQ MMA and its last item after the loop)."""
+    _check_case([192, 256, 64, 130], 2, 2, 128, 0, dtype, ncp_seed)
+
+
 @pytest.mark.parametrize("d,window", [(128, 0), (64, 513), (128, 100)])
 def test_cuda_atomic_dq_backward_matches_deterministic(d, window, ncp_seed, monkeypatch):
     """The default Hopper backward (dq from atomic reductions) against the deterministic one and the
