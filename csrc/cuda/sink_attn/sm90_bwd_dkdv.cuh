@@ -195,6 +195,17 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
         }
     }
 
+    /* Atomic-dQ item after S^T and dP^T: P^T into fragments and dS^T into shared memory, then
+     * dV += P^T dO issued (not waited), and the async-proxy fence for the MMAs that read dS^T. */
+    __device__ __forceinline__ void ds_and_dv(float *st, float *dpt, uint32_t (*pf)[4], uint32_t sDS, int it, bool full) {
+        probs_to_smem(st, dpt, pf, sDS, it, full);
+        sm90::fence_regs(dv, D / 2);
+        sm90::wg_fence();
+        sm90::rs_steps<T, D, KQB>(dv, pf, sO(Ring::slot(it)), KQB * 128);
+        sm90::wg_commit();
+        sm90::fence_proxy_async_smem(); /* the generic-proxy stores above, before wgmma reads */
+    }
+
     /* dK += dS^T Q (A: this warpgroup's dS^T rows at la, B: Q at lb), issued asynchronously after
      * the register fences of dK and of the dQ accumulator the next MMAs write. */
     __device__ __forceinline__ void issue_dk(uint32_t la, uint32_t lb, float *dq) {
@@ -242,12 +253,7 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
                 float st[KQB / 2], dpt[KQB / 2]; /* per item: no loop-carried accumulator copies */
                 uint32_t pf[KQB / 16][4];
                 f = sdp<SKIP>(st, dpt, it, f);
-                probs_to_smem(st, dpt, pf, sDS, it, (f >> 1) & 1u);
-                sm90::fence_regs(dv, D / 2);
-                sm90::wg_fence();
-                sm90::rs_steps<T, D, KQB>(dv, pf, sO(s), KQB * 128); /* dV += P^T dO */
-                sm90::wg_commit();
-                sm90::fence_proxy_async_smem(); /* the generic-proxy stores above, before wgmma reads */
+                ds_and_dv(st, dpt, pf, sDS, it, (f >> 1) & 1u);
                 if (leader) sm90::bulk_wait_read<0>(); /* staging free once this barrier passes */
                 if (D == 128 && SKIP) sm90::named_sync_unaligned(kDsBar, 256); /* also reached from the branch below */
                 else if (D == 128) sm90::named_sync(kDsBar, 256);
@@ -356,12 +362,7 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
         uint32_t pf[KQB / 16][4];
         const uint32_t f = sdp<false>(st, dpt, it, 1u);
         if (it >= 2) sm90::named_sync(kDqDone + 2 * other + (it & 1), 256); /* dQ of item it - 2 read buffer it & 1 */
-        probs_to_smem(st, dpt, pf, sDS, it, (f >> 1) & 1u);
-        sm90::fence_regs(dv, D / 2);
-        sm90::wg_fence();
-        sm90::rs_steps<T, D, KQB>(dv, pf, sO(s), KQB * 128); /* dV += P^T dO */
-        sm90::wg_commit();
-        sm90::fence_proxy_async_smem(); /* the generic-proxy stores above, before wgmma reads */
+        ds_and_dv(st, dpt, pf, sDS, it, (f >> 1) & 1u);
         sm90::named_arrive(kDsReady + 2 * cw + (it & 1), 256);
         if (!FIRST) {
             if ((threadIdx.x & 127) == 0) sm90::bulk_wait_read<0>(); /* staging free once the next barrier passes */
