@@ -224,7 +224,8 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
         for (int ks = 0; ks < NK / 16; ++ks) /* k-step ks: + 16 rows of 128 bytes in both */
             sm90::wgmma<T, 64>::template ss<1, 1>(dq, sm90::desc_of(la + ks * 128), sm90::desc_of(lb + ks * 128), ks > 0);
     }
-    /* Atomic-dQ mode. D = 128: warpgroup cw computes dQ columns [64 cw, 64 cw + 64) over all 128
+    /* Atomic-dQ mode with skipping (D = 64: also without; D = 128 without skipping:
+     * run_adq_deferred). D = 128: warpgroup cw computes dQ columns [64 cw, 64 cw + 64) over all 128
      * keys (over the 64 seen ones when an item sees no key of one warpgroup: flags bit 2), so both
      * warpgroups' dS^T must be in shared memory (named barrier kDsBar); D = 64: each
      * warpgroup adds its own 64 keys' share of all 64 columns. dS^T is double-buffered: a
@@ -233,6 +234,7 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
      * is rewritten only after its leader thread waited for the previous reduction's reads. dq_accum
      * is (Hq, ceil(Tq / 64), D / 64, 4096) in fragment order (dq_frag_pos). */
     template <bool SKIP> __device__ __forceinline__ void run_adq(float *dq_accum) {
+        static_assert(SKIP || D == 64, "D = 128 without skipping runs run_adq_deferred");
         const int key0 = D == 128 ? 0 : 64 * cw, cb = D == 128 ? cw : 0;
         constexpr int kDqKeys = D == 128 ? KVB : 64;
         const uint32_t sKc = sK() + cb * KVB * 128; /* K's column block of this warpgroup's dQ columns */
@@ -255,8 +257,7 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
                 f = sdp<SKIP>(st, dpt, it, f);
                 ds_and_dv(st, dpt, pf, sDS, it, (f >> 1) & 1u);
                 if (leader) sm90::bulk_wait_read<0>(); /* staging free once this barrier passes */
-                if (D == 128 && SKIP) sm90::named_sync_unaligned(kDsBar, 256); /* also reached from the branch below */
-                else if (D == 128) sm90::named_sync(kDsBar, 256);
+                if (D == 128) sm90::named_sync_unaligned(kDsBar, 256); /* also reached from the branch below */
                 else sm90::named_sync(1 + cw, 128);
                 const uint32_t la = sm90::desc_lo(sDS + 64 * cw * 128, sm90::kLboKMajor), lb = sm90::desc_lo(sQ(s), KQB * 128);
                 if (D == 128 && SKIP && !(f & 4u)) { /* the other warpgroup's keys unseen: dQ over this one's */
