@@ -58,6 +58,8 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
     __device__ __forceinline__ uint32_t sV() const { return base + L::s1_off; }
     __device__ __forceinline__ uint32_t sQ(int s) const { return base + L::a_off + s * L::tile_bytes; }
     __device__ __forceinline__ uint32_t sO(int s) const { return base + L::b_off + s * L::tile_bytes; }
+    /* dS^T buffer of item i (double-buffered; atomic-dQ layout) */
+    __device__ __forceinline__ uint32_t sDs(int i) const { return base + L::ds_off + (i & 1) * L::ds_bytes; }
 
     /* Waits for item it's stage a (Q, lse, Delta, key bounds) and returns this warpgroup's view of
      * it: bit 0, whether a row of the item sees one of the warpgroup's keys (else the warpgroup
@@ -248,7 +250,7 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
                 continue;
             }
             const int s = Ring::slot(it);
-            const uint32_t sDS = base + L::ds_off + (it & 1) * L::ds_bytes;
+            const uint32_t sDS = sDs(it);
             float dq[32];
             /* Each branch waits for its MMAs before the paths merge (see the forward's note on C7515). */
             if (!SKIP || (f & 1u)) {
@@ -348,7 +350,7 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
         sm90::named_sync(kDsReady + 2 * (1 - cw) + ((n - 1) & 1), 256);
         sm90::fence_regs(dq, 32);
         sm90::wg_fence();
-        issue_dq<KVB>(dq, base + L::ds_off + ((n - 1) & 1) * L::ds_bytes, sK() + cw * KVB * 128, 0);
+        issue_dq<KVB>(dq, sDs(n - 1), sK() + cw * KVB * 128, 0);
         sm90::wg_commit();
         sm90::wg_wait<0>();
         sm90::fence_regs(dq, 32);
@@ -358,7 +360,7 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
     /* Item it of run_adq_deferred: its S^T, dP^T, dV and dK, and the dQ of item it - 1 (FIRST: none). */
     template <bool FIRST> __device__ __forceinline__ void deferred_item(int it, uint32_t sStw, float *dq_accum) {
         const int other = 1 - cw, n = w.n_it, s = Ring::slot(it);
-        const uint32_t sDS = base + L::ds_off + (it & 1) * L::ds_bytes;
+        const uint32_t sDS = sDs(it);
         float st[KQB / 2], dpt[KQB / 2], dq[32];
         uint32_t pf[KQB / 16][4];
         const uint32_t f = sdp<false>(st, dpt, it, 1u);
@@ -370,7 +372,7 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
             sm90::named_sync(kDsReady + 2 * other + ((it - 1) & 1), 256);
         }
         issue_dk(sm90::desc_lo(sDS + 64 * cw * 128, sm90::kLboKMajor), sm90::desc_lo(sQ(s), KQB * 128), dq);
-        if (!FIRST) issue_dq<KVB>(dq, base + L::ds_off + ((it - 1) & 1) * L::ds_bytes, sK() + cw * KVB * 128, 0);
+        if (!FIRST) issue_dq<KVB>(dq, sDs(it - 1), sK() + cw * KVB * 128, 0);
         sm90::wg_commit();
         sm90::wg_wait<0>();
         sm90::fence_regs(dv, D / 2);
