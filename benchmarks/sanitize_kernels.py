@@ -35,6 +35,14 @@ def attention():
         out.backward(torch.randn_like(out))
         out = ncp.sink_attention(c["q"], c["k"], c["v"], None, c["cu_seqlens"], window=window)
         out.backward(torch.randn_like(out))
+    # D = 128 with documents long enough for the deferred dQ loops: causal, and window 513 (key
+    # tiles that 8 or more q tiles see take the deferred loop of the skipping kernel, the others
+    # its per-item barrier loop)
+    for window in (0, 513):
+        c = make_attention_case([1100, 300, 77], 4, 2, 128, dtype=torch.bfloat16, device="cuda", generator=g,
+                                requires_grad=True)  # fmt: skip
+        out = ncp.sink_attention(c["q"], c["k"], c["v"], c["sink"], c["cu_seqlens"], window=window)
+        out.backward(torch.randn_like(out))
     # the table mask (Flint CP, simulated ranks)
     cfg = SimpleNamespace(num_attention_heads=4, num_key_value_heads=2, head_dim=64, sliding_window=70,
                           magi_chunk_size=40)  # fmt: skip

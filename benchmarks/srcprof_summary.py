@@ -5,7 +5,10 @@ reason, the samples by kind of instruction (wgmma issue, wgmma waits, named barr
 waits, the descriptor moves R2UR, math), and the instructions with the most samples. The CSVs
 (2 MB each) are not kept; their summaries are (benchmarks/results/*_srcprof.txt).
 
-    python benchmarks/srcprof_summary.py A.csv [B.csv ...] [--top 15]
+    python benchmarks/srcprof_summary.py A.csv [B.csv ...] [--top 15] [--context 0]
+
+``--context N``: the N instructions before each of the top ones (which wait a stalled branch
+closes, for example the mbarrier try-wait that a ``@!P0 BRA`` loops on).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ KINDS = (  # first match wins
 )
 
 
-def summarize(path: str, top: int) -> str:
+def summarize(path: str, top: int, context: int = 0) -> str:
     with open(path, newline="") as f:
         rows = list(csv.reader(f))
     hdr = rows[1]
@@ -55,9 +58,13 @@ def summarize(path: str, top: int) -> str:
     out.append("samples by instruction kind:")
     out += [f"  {k:45s} {v / total:6.1%}" for k, v in by_kind.most_common() if v]
     out.append(f"top {top} instructions (offset from the kernel start, top reasons):")
+    at = {off: i for i, (_, off, _, _) in enumerate(recs)}
     for n, off, src, per in sorted(recs, key=lambda x: -x[0])[:top]:
         why = ", ".join(f"{k} {v / total:.1%}" for k, v in sorted(per.items(), key=lambda kv: -kv[1])[:2] if v)
         out.append(f"  {n / total:5.1%} +{off:05x} {src[:64]:64s} {why}")
+        i = at[off]
+        for m, o, s, _ in recs[max(0, i - context):i]:
+            out.append(f"        +{o:05x} {s[:64]:64s} {m / total:5.1%}")
     return "\n".join(out)
 
 
@@ -65,8 +72,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("csv", nargs="+")
     ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--context", type=int, default=0, help="instructions shown before each top one")
     args = ap.parse_args()
-    print("\n\n".join(summarize(p, args.top) for p in args.csv))
+    print("\n\n".join(summarize(p, args.top, args.context) for p in args.csv))
 
 
 if __name__ == "__main__":

@@ -26,6 +26,10 @@ namespace {
  * window; a table (CP) carries the window it was built with as a hint (ncp.h; the Flint plan sets
  * it). Either kernel gives the same results on any mask: the hint only picks the faster one. */
 inline bool skips_items(const ncp_sink_attn_params &p) { return p.mask.window > 0; }
+/* The skipping D = 128 atomic kernel takes the deferred loop in a CTA whose keys at least this
+ * many q tiles see (a warpgroup then skips at most about 2 items in 8), else the loop that skips
+ * whole items with one barrier per item. */
+constexpr int kDeferredMinQTiles = 8;
 
 template <typename T, int D, bool ADQ, class Mask, bool SKIP>
 __global__ void __launch_bounds__(kThreads, 1)
@@ -56,8 +60,14 @@ __global__ void __launch_bounds__(kThreads, 1)
     Split::consumer();
     DkdvConsumer<T, D, ADQ> c(p, w, bar, base, s_l2, s_dl, s_kb, sm90::warp_uniform(wg - 1));
     sm90::mbar_wait(bar.stat(), 0);
-    if constexpr (ADQ && D == 128 && !SKIP) c.run_adq_deferred(ws.dq_accum);
-    else if constexpr (ADQ) c.template run_adq<SKIP>(ws.dq_accum);
+    if constexpr (ADQ && D == 128 && !SKIP) c.template run_adq_deferred<false>(ws.dq_accum);
+    else if constexpr (ADQ && D == 128) {
+        /* Skipping: a warpgroup skips the first and last q tile of the key tile's run per head
+         * (under a window; 2 in n_q items). The deferred loop skips only the softmax (its dV, dK and
+         * full-width dQ MMAs run on zeros), so it pays where skips are rare (docs/EXPERIMENTS.md). */
+        if (w.n_q >= kDeferredMinQTiles) c.template run_adq_deferred<true>(ws.dq_accum);
+        else c.template run_adq<true>(ws.dq_accum);
+    } else if constexpr (ADQ) c.template run_adq<SKIP>(ws.dq_accum);
     else c.template run_det<SKIP>();
     /* With D = 128 each warpgroup's dQ MMAs read all 128 rows of K; store() rewrites this
      * warpgroup's rows, so both warpgroups' last dQ MMAs must be done first. */

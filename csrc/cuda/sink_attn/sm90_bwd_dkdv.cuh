@@ -13,7 +13,9 @@
  *     bits of dq, vary from run to run). With D = 128 and no skipping (causal, CP tables) an item's
  *     dQ MMA runs one item late (run_adq_deferred), so the warpgroups need not meet at one barrier
  *     per item and their softmaxes interleave with each other's MMAs (+2.7% to +3.1% causal
- *     forward+backward, docs/EXPERIMENTS.md).
+ *     forward+backward, docs/EXPERIMENTS.md). The skipping D = 128 kernel takes the same loop in
+ *     CTAs whose keys 8 or more q tiles see, skipping there only a skipped item's softmax
+ *     (1.2% to 2.2% less backward time on window 513, 8k and 32k documents).
  *   deterministic: no atomics; dQ comes from the dQ kernel (7 MMAs per item in all).
  * Skipping (SKIP, chosen per launch: documents with a window; docs/EXPERIMENTS.md): a warpgroup none
  * of whose 64 keys a row of the item sees (KeyVis::flags) skips the item. Under a window the first
@@ -335,14 +337,16 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
      * Each barrier instance gets its arrival before the next one on the same id can be made, so
      * the counts never mix: c arrives on ready(c, i + 2) only after syncing done(1 - c, i), which
      * the other arrives on after syncing ready(c, i). */
-    __device__ __forceinline__ void run_adq_deferred(float *dq_accum) {
+    template <bool SKIP> __device__ __forceinline__ void run_adq_deferred(float *dq_accum) {
         static_assert(D == 128, "the D = 64 kernels compute each warpgroup's dQ from its own keys");
         const uint32_t sStw = base + L::stage_off + cw * 64 * 64 * 4;
         const int n = w.n_it;
         if (n == 0) return;
-        deferred_item<true>(0, sStw, dq_accum); /* item 0 has no dQ of an earlier item: peeled, so no
-                                                * MMA is issued under a run-time branch (C7512) */
-        for (int it = 1; it < n; ++it) deferred_item<false>(it, sStw, dq_accum);
+        uint32_t f = SKIP ? wait_item(0) : 1u;
+        f = deferred_item<true, SKIP>(0, f, sStw, dq_accum); /* item 0 has no dQ of an earlier item:
+                                                              * peeled, so no MMA is issued under a
+                                                              * run-time branch (C7512) */
+        for (int it = 1; it < n; ++it) f = deferred_item<false, SKIP>(it, f, sStw, dq_accum);
         /* the last item's dQ */
         float dq[32];
         const bool leader = (threadIdx.x & 127) == 0;
@@ -357,15 +361,35 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
         reduce_dq(dq, n - 1, sStw, cw, dq_accum);
         if (leader) sm90::bulk_wait_read<0>(); /* shared memory must outlive the last reads */
     }
-    /* Item it of run_adq_deferred: its S^T, dP^T, dV and dK, and the dQ of item it - 1 (FIRST: none). */
-    template <bool FIRST> __device__ __forceinline__ void deferred_item(int it, uint32_t sStw, float *dq_accum) {
+    /* Item it of run_adq_deferred: its S^T, dP^T, dV and dK, and the dQ of item it - 1 (FIRST: none).
+     * f: the item's flags (SKIP: wait_item, asked for during the previous item's MMAs); returns the
+     * next item's. SKIP: a warpgroup none of whose keys a row of the item sees computes no S^T,
+     * dP^T nor softmax, and stores zeros as its dS^T rows and P^T fragments, so every dQ MMA keeps
+     * all 128 keys and the hand-offs stay the same (its dV and dK MMAs add those zeros). */
+    template <bool FIRST, bool SKIP>
+    __device__ __forceinline__ uint32_t deferred_item(int it, uint32_t f, uint32_t sStw, float *dq_accum) {
         const int other = 1 - cw, n = w.n_it, s = Ring::slot(it);
         const uint32_t sDS = sDs(it);
-        float st[KQB / 2], dpt[KQB / 2], dq[32];
+        float dq[32];
         uint32_t pf[KQB / 16][4];
-        const uint32_t f = sdp<false>(st, dpt, it, 1u);
-        if (it >= 2) sm90::named_sync(kDqDone + 2 * other + (it & 1), 256); /* dQ of item it - 2 read buffer it & 1 */
-        ds_and_dv(st, dpt, pf, sDS, it, (f >> 1) & 1u);
+        if (!SKIP || (f & 1u)) {
+            float st[KQB / 2], dpt[KQB / 2];
+            f = sdp<SKIP>(st, dpt, it, f);
+            if (it >= 2) sm90::named_sync(kDqDone + 2 * other + (it & 1), 256); /* dQ of item it - 2 read buffer it & 1 */
+            probs_to_smem(st, dpt, pf, sDS, it, (f >> 1) & 1u);
+        } else { /* no MMA in this branch: a wgmma in one path only serializes them all (C7515) */
+            if (it >= 2) sm90::named_sync(kDqDone + 2 * other + (it & 1), 256);
+            zero_ds_rows(sDS);
+#pragma unroll
+            for (int kk = 0; kk < KQB / 16; ++kk)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) pf[kk][e] = 0u;
+        }
+        sm90::fence_regs(dv, D / 2); /* dV += P^T dO (P^T = 0 where skipped), as ds_and_dv */
+        sm90::wg_fence();
+        sm90::rs_steps<T, D, KQB>(dv, pf, sO(s), KQB * 128);
+        sm90::wg_commit();
+        sm90::fence_proxy_async_smem(); /* the dS^T stores (or zeros), before wgmma reads them */
         sm90::named_arrive(kDsReady + 2 * cw + (it & 1), 256);
         if (!FIRST) {
             if ((threadIdx.x & 127) == 0) sm90::bulk_wait_read<0>(); /* staging free once the next barrier passes */
@@ -374,6 +398,7 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
         issue_dk(sm90::desc_lo(sDS + 64 * cw * 128, sm90::kLboKMajor), sm90::desc_lo(sQ(s), KQB * 128), dq);
         if (!FIRST) issue_dq<KVB>(dq, sDs(it - 1), sK() + cw * KVB * 128, 0);
         sm90::wg_commit();
+        const uint32_t fn = SKIP ? wait_item(it + 1) : 1u; /* off the MMA issue path */
         sm90::wg_wait<0>();
         sm90::fence_regs(dv, D / 2);
         sm90::fence_regs(dk, D / 2);
@@ -384,6 +409,14 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
             if (it - 1 <= n - 3) sm90::named_arrive(kDqDone + 2 * cw + ((it - 1) & 1), 256);
             reduce_dq(dq, it - 1, sStw, cw, dq_accum);
         }
+        return fn;
+    }
+    /* Zeros as this warpgroup's 64 rows of the dS^T buffer at sDS (8 KiB, contiguous). */
+    __device__ __forceinline__ void zero_ds_rows(uint32_t sDS) const {
+        const uint32_t a = sDS + 64 * cw * 128 + 64 * (threadIdx.x & 127);
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+            asm volatile("st.shared.v4.b32 [%0], {%1, %1, %1, %1};\n" ::"r"(a + 16 * i), "r"(0u) : "memory");
     }
 
     /* The rows of this warpgroup in sK / sV are free once its MMAs are done: stage dK, dV there. */
