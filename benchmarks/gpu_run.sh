@@ -10,9 +10,9 @@
 #   OUT=/tmp/out NCP_COMMIT=<sha> bash benchmarks/gpu_run.sh [stage ...]
 # Set NCP_COMMIT from the machine that holds the repository: the device tool's copy of .git can be
 # stale, so `git rev-parse` run there may name an older commit than the tree it copied.
-# stages: build baseline test sanitize probe profile srcprof kernels attn ab abmimo abhost abhint order latency host mimo profmimo flint demo all (default: all; order:
+# stages: build baseline test sanitize probe compress profile srcprof kernels attn ab abmimo abhost abhint order latency host mimo profmimo flint demo all (default: all; order:
 # bench_bwd_order.py, atomic and deterministic, ORDER_ARGS; probe: the
-# racecheck mbarrier probe, profile: Nsight Compute on named kernels, PROF_RUNS, PROF_ENV; profmimo:
+# racecheck mbarrier probe, compress: benchmarks/probe_compress.cu, profile: Nsight Compute on named kernels, PROF_RUNS, PROF_ENV; profmimo:
 # benchmarks/profile_mimo.py; latency: benchmarks/probe_latency.py, LATENCY_ARGS; abmimo: benchmarks/ab_mimo.py (.baseline against this tree); abhost:
 # benchmarks/ab_host.py (the attention calls' host path, .baseline against this tree); abhint:
 # benchmarks/ab_table_hint.py;
@@ -91,6 +91,16 @@ if [[ " $STAGES " == *" probe "* ]]; then  # only when named: does racecheck mod
     note "racecheck probe: exit $? ($(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY' "$OUT/probe.log" | tail -1))"
   else
     note "racecheck probe: nvcc failed (probe.log)"
+  fi
+fi
+
+if [[ " $STAGES " == *" compress "* ]]; then  # only when named: compressible memory for the dQ accumulator? (docs/EXPERIMENTS.md)
+  mkdir -p build
+  if nvcc -arch=sm_90a -O2 -o build/probe_compress benchmarks/probe_compress.cu -lcuda > "$OUT/probe_compress.txt" 2>&1; then
+    build/probe_compress >> "$OUT/probe_compress.txt" 2>&1
+    note "compress probe: exit $? ($(grep -c adds= "$OUT/probe_compress.txt") timed rows)"
+  else
+    note "compress probe: nvcc failed (probe_compress.txt)"
   fi
 fi
 

@@ -11,7 +11,8 @@ Each page holds generated blocks between marker comments that name their kind an
 kinds: ``attn`` (every case: ours against FlexAttention+sink and SDPA), ``attn-extra`` (our other
 rows: no sink, deterministic backward, A/B variants), ``mimo`` (one or more runs of
 bench_mimo_shard.py), ``flint`` (one or more runs of bench_flint.py), ``host`` (bench_host.py),
-``order`` (bench_bwd_order.py), ``ab`` (ab_attention.py), ``ab-mimo`` (ab_mimo.py), ``ab-hint``
+``order`` (bench_bwd_order.py), ``ab`` (ab_attention.py), ``ab-bwd`` (ab_attention.py, the backward
+alone, paired by round), ``ab-mimo`` (ab_mimo.py), ``ab-hint``
 (ab_table_hint.py), ``ab-host`` (ab_host.py), ``tried`` (the losers, from the files that record them).
 
     # after a GPU run of benchmarks/gpu_run.sh: copy its JSON into benchmarks/results/ and re-render
@@ -35,6 +36,7 @@ import json
 import os
 import re
 import shutil
+import statistics
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -409,6 +411,37 @@ def render_ab(paths: list[str]) -> str:
     return "\n".join(out)
 
 
+def render_ab_bwd(paths: list[str]) -> str:
+    """benchmarks/ab_attention.py, the backward alone: per round, forward+backward time minus forward
+    time of each build; the median over rounds of each, and of B / A paired by round (the rounds
+    run A and B back to back, so pairing removes most of the clock drift between rounds)."""
+    runs = [_read(p) for p in paths]
+    first = runs[0]
+    out = [f"A = `{first['a']}`, B = `{first['b']}`; backward ms per round = forward+backward - forward "
+           "(same round); median A / median B, then the median of the per-round B / A and the rounds in "
+           "which B was faster:", "",
+           "| case | " + " | ".join(f"run {i + 1}: bwd ms A / B | run {i + 1}: B / A (B faster)" for i in range(len(runs))) + " |",
+           "|---|" + "---:|---:|" * len(runs)]  # fmt: skip
+    cases = []
+    for data in runs:
+        cases += [r["case"] for r in data["rows"] if r["case"] not in cases]
+    for c in cases:
+        cells = [c]
+        for data in runs:
+            r = next((r for r in data["rows"] if r["case"] == c), None)
+            if r is None:
+                cells += ["–", "–"]
+                continue
+            ta = [x - y for x, y in zip(r["a"]["runs_fwdbwd"], r["a"]["runs_fwd"])]
+            tb = [x - y for x, y in zip(r["b"]["runs_fwdbwd"], r["b"]["runs_fwd"])]
+            ratio = [b / a for a, b in zip(ta, tb)]
+            cells += [f"{statistics.median(ta):.3f} / {statistics.median(tb):.3f}",
+                      f"{statistics.median(ratio):.4f} ({sum(x < 1 for x in ratio)}/{len(ratio)})"]
+        out.append("| " + " | ".join(cells) + " |")
+    out += [""] + [f"Source (run {i + 1}): `{p}`." for i, p in enumerate(paths)]
+    return "\n".join(out)
+
+
 def render_host(paths: list[str]) -> str:
     """benchmarks/bench_host.py: host time per call with the GPU kept busy; one table per file
     (each run's host, named in its source line)."""
@@ -500,7 +533,7 @@ def render_ab_hint(paths: list[str]) -> str:
     return "\n".join(out)
 
 
-RENDER = {"attn": render_attn, "attn-extra": render_attn_extra, "mimo": render_mimo, "flint": render_flint, "ab": render_ab, "host": render_host,
+RENDER = {"attn": render_attn, "attn-extra": render_attn_extra, "mimo": render_mimo, "flint": render_flint, "ab": render_ab, "ab-bwd": render_ab_bwd, "host": render_host,
           "tried": render_tried, "order": render_order, "ab-mimo": render_ab_mimo, "ab-hint": render_ab_hint,
           "ab-host": render_ab_host}  # fmt: skip
 
