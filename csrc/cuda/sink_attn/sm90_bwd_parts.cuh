@@ -122,17 +122,34 @@ __device__ __forceinline__ void produce_dkdv(const KvItems &w, const Bars &bar, 
             sm90::tma_load_tile<D>(sO0 + s * L::tile_bytes, tm_do, KQB, h, q0, bar.b(s));
         }
     } else if (tid >> 5 == 1) {
-        for (int it = 0; it < w.n_it; ++it) {
-            const int s = Ring::slot(it), h = w.head(it), q0 = w.q0(it);
-            if (it >= kStages) sm90::mbar_wait(bar.e(s), Ring::empty_phase(it));
-            for (int c = lane; c < KQB; c += 32) {
-                const int q = q0 + c;
+        /* Item it + 1's values are loaded (and its key bounds searched) before the wait for its
+         * stage, so a stage freed late is filled by stores alone. */
+        static_assert(KQB == 64, "a lane takes rows lane and lane + 32");
+        float l2v[2], dlv[2];
+        uint32_t kbv[2];
+        const auto load = [&](int it) {
+            const int h = w.head(it), q0 = w.q0(it);
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const int q = q0 + lane + 32 * r;
                 const bool ok = q < p.Tq;
-                s_l2[s * KQB + c] = ok ? __ldg(p.lse + (int64_t)h * p.Tq + q) * kLog2e : 0.f;
-                s_dl[s * KQB + c] = ok ? __ldg(delta + (int64_t)h * p.Tq + q) : 0.f;
-                s_kb[s * KQB + c] = key_bounds(mask, q, w.k0);
+                l2v[r] = ok ? __ldg(p.lse + (int64_t)h * p.Tq + q) * kLog2e : 0.f;
+                dlv[r] = ok ? __ldg(delta + (int64_t)h * p.Tq + q) : 0.f;
+                kbv[r] = key_bounds(mask, q, w.k0);
+            }
+        };
+        if (w.n_it > 0) load(0);
+        for (int it = 0; it < w.n_it; ++it) {
+            const int s = Ring::slot(it);
+            if (it >= kStages) sm90::mbar_wait(bar.e(s), Ring::empty_phase(it));
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                s_l2[s * KQB + lane + 32 * r] = l2v[r];
+                s_dl[s * KQB + lane + 32 * r] = dlv[r];
+                s_kb[s * KQB + lane + 32 * r] = (uint16_t)kbv[r];
             }
             sm90::warp_arrive(bar.a(s));
+            if (it + 1 < w.n_it) load(it + 1);
         }
     }
 }
