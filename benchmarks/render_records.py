@@ -384,6 +384,22 @@ def tried_sources() -> list[str]:
     return sorted({p for *_, runs in TRIED for p, _, _ in runs})
 
 
+def _ab_rows(runs: list[dict], cell_pair) -> list[str]:
+    """Table rows of A/B runs (ab_attention.py): one row per case (in first-seen order), two cells
+    per run from ``cell_pair(row)``, dashes where a run lacks the case."""
+    cases: list[str] = []
+    for data in runs:
+        cases += [r["case"] for r in data["rows"] if r["case"] not in cases]
+    out = []
+    for c in cases:
+        cells = [c]
+        for data in runs:
+            r = next((r for r in data["rows"] if r["case"] == c), None)
+            cells += ["–", "–"] if r is None else cell_pair(r)
+        out.append("| " + " | ".join(cells) + " |")
+    return out
+
+
 def render_ab(paths: list[str]) -> str:
     """benchmarks/ab_attention.py: two builds timed round robin in one process; one column pair per
     file (a file named ``*_det.json`` was run with ``NCP_DETERMINISTIC=1``), cases in rows."""
@@ -394,19 +410,9 @@ def render_ab(paths: list[str]) -> str:
            "B / A in parentheses:", "",
            "| case | " + " | ".join(f"{m}: A | {m}: B" for m in modes) + " |",
            "|---|" + "---:|---:|" * len(runs)]  # fmt: skip
-    cases = []
-    for data in runs:
-        cases += [r["case"] for r in data["rows"] if r["case"] not in cases]
-    for c in cases:
-        cells = [c]
-        for data in runs:
-            r = next((r for r in data["rows"] if r["case"] == c), None)
-            if r is None:
-                cells += ["–", "–"]
-                continue
-            cells += [f"{r['a']['fwd_tflops']} / {r['a']['fwdbwd_tflops']}",
-                      f"{r['b']['fwd_tflops']} / {r['b']['fwdbwd_tflops']} ({r['b_over_a_fwd']} / {r['b_over_a_fwdbwd']})"]
-        out.append("| " + " | ".join(cells) + " |")
+    out += _ab_rows(runs, lambda r: [f"{r['a']['fwd_tflops']} / {r['a']['fwdbwd_tflops']}",
+                                     f"{r['b']['fwd_tflops']} / {r['b']['fwdbwd_tflops']} "
+                                     f"({r['b_over_a_fwd']} / {r['b_over_a_fwdbwd']})"])
     out += [""] + [f"Source: `{p}`." for p in paths]
     return "\n".join(out)
 
@@ -422,22 +428,14 @@ def render_ab_bwd(paths: list[str]) -> str:
            "which B was faster:", "",
            "| case | " + " | ".join(f"run {i + 1}: bwd ms A / B | run {i + 1}: B / A (B faster)" for i in range(len(runs))) + " |",
            "|---|" + "---:|---:|" * len(runs)]  # fmt: skip
-    cases = []
-    for data in runs:
-        cases += [r["case"] for r in data["rows"] if r["case"] not in cases]
-    for c in cases:
-        cells = [c]
-        for data in runs:
-            r = next((r for r in data["rows"] if r["case"] == c), None)
-            if r is None:
-                cells += ["–", "–"]
-                continue
-            ta = [x - y for x, y in zip(r["a"]["runs_fwdbwd"], r["a"]["runs_fwd"])]
-            tb = [x - y for x, y in zip(r["b"]["runs_fwdbwd"], r["b"]["runs_fwd"])]
-            ratio = [b / a for a, b in zip(ta, tb)]
-            cells += [f"{statistics.median(ta):.3f} / {statistics.median(tb):.3f}",
-                      f"{statistics.median(ratio):.4f} ({sum(x < 1 for x in ratio)}/{len(ratio)})"]
-        out.append("| " + " | ".join(cells) + " |")
+    def bwd_cells(r):
+        ta = [x - y for x, y in zip(r["a"]["runs_fwdbwd"], r["a"]["runs_fwd"])]
+        tb = [x - y for x, y in zip(r["b"]["runs_fwdbwd"], r["b"]["runs_fwd"])]
+        ratio = [b / a for a, b in zip(ta, tb)]
+        return [f"{statistics.median(ta):.3f} / {statistics.median(tb):.3f}",
+                f"{statistics.median(ratio):.4f} ({sum(x < 1 for x in ratio)}/{len(ratio)})"]
+
+    out += _ab_rows(runs, bwd_cells)
     out += [""] + [f"Source (run {i + 1}): `{p}`." for i, p in enumerate(paths)]
     return "\n".join(out)
 
