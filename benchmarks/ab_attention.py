@@ -117,9 +117,13 @@ def main() -> int:
         row["b_over_a_fwd"] = round(row["b"]["fwd_tflops"] / row["a"]["fwd_tflops"], 4)
         row["b_over_a_fwdbwd"] = round(row["b"]["fwdbwd_tflops"] / row["a"]["fwdbwd_tflops"], 4)
         rows.append(row)
+        bwd = {key: [fb - f for f, fb in zip(res[key]["fwd"], res[key]["fwdbwd"])] for key in pkgs}
+        paired = [b / a for a, b in zip(bwd["a"], bwd["b"])]  # same round: drift between rounds cancels
         print(f"{name:18s} A {row['a']['fwd_tflops']:6.1f} / {row['a']['fwdbwd_tflops']:6.1f}   "
               f"B {row['b']['fwd_tflops']:6.1f} / {row['b']['fwdbwd_tflops']:6.1f}   "
-              f"B/A {row['b_over_a_fwd']:.3f} / {row['b_over_a_fwdbwd']:.3f}", flush=True)  # fmt: skip
+              f"B/A {row['b_over_a_fwd']:.3f} / {row['b_over_a_fwdbwd']:.3f}   "
+              f"bwd time B/A {statistics.median(paired):.4f} (B faster in {sum(x < 1 for x in paired)}/{len(paired)})",
+              flush=True)  # fmt: skip
         del q, k, v, sink, dout
         torch.cuda.empty_cache()
     if args.json:
