@@ -228,7 +228,8 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
         for (int ks = 0; ks < NK / 16; ++ks) /* k-step ks: + 16 rows of 128 bytes in both */
             sm90::wgmma<T, 64>::template ss<1, 1>(dq, sm90::desc_of(la + ks * 128), sm90::desc_of(lb + ks * 128), ks > 0);
     }
-    /* Atomic-dQ mode with skipping (D = 64: also without; D = 128 without skipping:
+    /* Atomic-dQ mode with skipping (D = 64: also without; D = 128: in CTAs that fewer than
+     * kDeferredMinQTiles q tiles see, the others and the kernel without skipping take
      * run_adq_deferred). D = 128: warpgroup cw computes dQ columns [64 cw, 64 cw + 64) over all 128
      * keys (over the 64 seen ones when an item sees no key of one warpgroup: flags bit 2), so both
      * warpgroups' dS^T must be in shared memory (named barrier kDsBar); D = 64: each
