@@ -86,6 +86,22 @@ def test_unregistered_tensor_types_take_the_capsule_path(capsules_counted):
         assert torch.equal(a.as_subclass(torch.Tensor), b)
 
 
+def _errors_of_both_calls(x_call, kw_call, a: dict, order) -> list:
+    """What the positional exchange-API call (arguments ``a`` in ``order``) and the keyword call (by
+    capsules) raise on the same arguments: (type, message) each, or None where it returned."""
+    errs = []
+    for fast in (True, False):
+        try:
+            if fast:
+                assert x_call(*(a[n] for n in order)) is None
+            else:
+                kw_call(**{n: (dl(t) if isinstance(t, torch.Tensor) else t) for n, t in a.items()})
+            errs.append(None)
+        except (ValueError, TypeError) as e:
+            errs.append((type(e), str(e)))
+    return errs
+
+
 @pytest.mark.skipif(not HAS_API, reason="this torch has no DLPack C exchange API")
 def test_x_calls_check_their_arguments_as_the_keyword_calls_do():
     """Contents and scalars: the same exception and message from both native entry points."""
@@ -96,19 +112,8 @@ def test_x_calls_check_their_arguments_as_the_keyword_calls_do():
     def both(**kw):
         a = dict(q=q, k=k, v=v, out=out, lse=lse, sink=s, cu_seqlens=cu, row_lo=None, row_hi=None, scale=0.5, window=0)
         a.update(kw)
-        errs = []
-        for call in ("x", "kw"):
-            try:
-                if call == "x":
-                    r = _C.sink_attn_fwd_x(*(a[n] for n in ("q", "k", "v", "out", "lse", "sink", "cu_seqlens",
-                                                            "row_lo", "row_hi", "scale", "window")))  # fmt: skip
-                    assert r is None
-                else:
-                    _C.sink_attn_fwd(**{n: (dl(t) if isinstance(t, torch.Tensor) else t) for n, t in a.items()})
-                errs.append(None)
-            except (ValueError, TypeError) as e:
-                errs.append((type(e), str(e)))
-        return errs
+        order = ("q", "k", "v", "out", "lse", "sink", "cu_seqlens", "row_lo", "row_hi", "scale", "window")
+        return _errors_of_both_calls(_C.sink_attn_fwd_x, _C.sink_attn_fwd, a, order)
 
     assert both() == [None, None]
     cases = [
@@ -147,17 +152,7 @@ def test_bwd_x_checks_its_arguments_as_the_keyword_call_does():
                  dk=torch.empty_like(k), dv=torch.empty_like(v), sink=s, dsink=torch.empty_like(s), workspace=None,
                  cu_seqlens=cu, row_lo=None, row_hi=None, scale=0.5, window=0, deterministic=0)  # fmt: skip
         a.update(kw)
-        errs = []
-        for fast in (True, False):
-            try:
-                if fast:
-                    assert _C.sink_attn_bwd_x(*(a[n] for n in order)) is None
-                else:
-                    _C.sink_attn_bwd(**{n: (dl(t) if isinstance(t, torch.Tensor) else t) for n, t in a.items()})
-                errs.append(None)
-            except (ValueError, TypeError) as e:
-                errs.append((type(e), str(e)))
-        return errs
+        return _errors_of_both_calls(_C.sink_attn_bwd_x, _C.sink_attn_bwd, a, order)
 
     assert both() == [None, None]
     for kw in (dict(dq=torch.empty(15, 4, 7)), dict(dk=torch.empty_like(k, dtype=torch.float64)),
