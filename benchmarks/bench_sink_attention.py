@@ -24,6 +24,7 @@ order drawn per round, ``round_order``; medians over rounds), after ``--heat`` s
     python benchmarks/bench_sink_attention.py [--quick] [--json out.json] [--cases a,b] [--no-flex]
         [--impls ncp,ncp-nosink,ncp-deterministic,flex+sink,sdpa] [--method all|both|do_bench|loop|queued]
         [--variant NAME:VAR=VAL[,VAR=VAL]] [--no-interleave] [--reps N] [--heat S]
+        [--case NAME=TOKENS,DOC,HQ,HKV,D,WINDOW ...]
 """
 
 from __future__ import annotations
@@ -91,17 +92,17 @@ def _heat(seconds: float, fn) -> None:
         torch.cuda.synchronize()
 
 
-def _kernel_note() -> str:
-    """Which kernels run (the dispatcher's choice on this device)."""
+def _kernel_note(D: int, window: int) -> str:
+    """Which kernels run (the dispatcher's choice on this device for this head dim and window)."""
     from nemo_cp_native.testing import kernels
 
-    fwd, bwd = kernels()
+    fwd, bwd = kernels(D=D, window=window)
     return f"{fwd} fwd + {bwd} bwd"
 
 
 def _ours(q, k, v, sink, cu, window, dout, ref, variants) -> list[Impl]:
     leaves = [t.detach().requires_grad_() for t in (q, k, v, sink)]
-    rows = [("ncp", leaves[3], {}, _kernel_note()), ("ncp-nosink", None, {}, "no sink"),
+    rows = [("ncp", leaves[3], {}, _kernel_note(q.shape[-1], window)), ("ncp-nosink", None, {}, "no sink"),
             ("ncp-deterministic", leaves[3], {"NCP_DETERMINISTIC": "1"}, "deterministic backward")]  # fmt: skip
     rows += [(name, leaves[3], env, " ".join(f"{k}={v}" for k, v in env.items())) for name, env in variants]
     impls = []
@@ -243,6 +244,8 @@ def main(argv=None):
     ap.add_argument("--method", choices=tuple(METHODS), default="all")
     ap.add_argument("--variant", action="append", default=[],
                     help="an extra row of ours under environment switches, NAME:VAR=VAL[,VAR=VAL] (A/B runs)")
+    ap.add_argument("--case", action="append", default=[], metavar="NAME=TOKENS,DOC,HQ,HKV,D,WINDOW",
+                    help="an extra case (window 0: causal); with --case only these and --cases run")
     ap.add_argument("--no-interleave", action="store_true", help="time the rows one after the other")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -254,8 +257,16 @@ def main(argv=None):
         vname, _, assigns = spec.partition(":")
         variants.append((vname, dict(a.split("=", 1) for a in assigns.split(",") if a)))
     cases = QUICK if args.quick else CASES
-    if args.cases:
-        cases = {k: v for k, v in {**CASES, **QUICK}.items() if k in args.cases.split(",")}
+    extra = {}
+    for spec in args.case:
+        cname, eq, dims = spec.partition("=")
+        vals = dims.split(",")
+        if not cname or not eq or len(vals) != 6 or not all(x.strip().isdigit() for x in vals):
+            ap.error(f"--case {spec!r}: expected NAME=TOKENS,DOC,HQ,HKV,D,WINDOW (non-negative integers)")
+        extra[cname] = tuple(int(x) for x in vals)
+    if args.cases or extra:
+        chosen = set(args.cases.split(",")) if args.cases else set()
+        cases = {k: v for k, v in {**CASES, **QUICK}.items() if k in chosen} | extra
     only = frozenset(args.impls.split(",")) | {n for n, _ in variants} if args.impls else frozenset()
     methods = METHODS[args.method]
     env = {**env_record(), "methods": list(methods), "reps": args.reps, "interleave": not args.no_interleave}

@@ -138,11 +138,11 @@ def _bwd(dout, q, k, v, sink, out, lse, scale: float, mask: AttnMask):
     det = int(backward_is_deterministic())
     ws = None
     if q.device.type == "cuda":
-        key = (q.shape[0], k.shape[0], q.shape[1], q.shape[2], sink is not None, det, q.device.index or 0)
+        key = (q.shape[0], k.shape[0], q.shape[1], q.shape[2], sink is not None, det, q.device.index or 0, mask.window)
         nbytes = _ws_bytes.get(key)
         if nbytes is None:
             nbytes = _C.sink_attn_bwd_workspace(Tq=key[0], Tk=key[1], Hq=key[2], D=key[3], has_sink=int(key[4]),
-                                                deterministic=det, device=key[6])  # fmt: skip
+                                                deterministic=det, device=key[6], window=key[7])  # fmt: skip
             if len(_ws_bytes) >= 256:  # shapes vary per step in some recipes: keep the cache bounded
                 _ws_bytes.clear()
             _ws_bytes[key] = nbytes
@@ -167,7 +167,7 @@ def _bwd(dout, q, k, v, sink, out, lse, scale: float, mask: AttnMask):
     return dq, dk, dv, dsink
 
 
-_ws_bytes: dict = {}  # (Tq, Tk, Hq, D, has_sink, deterministic, device) -> _C.sink_attn_bwd_workspace bytes
+_ws_bytes: dict = {}  # (Tq, Tk, Hq, D, has_sink, deterministic, device, window) -> _C.sink_attn_bwd_workspace bytes
 
 
 @torch.library.custom_op("nemo_cp_native::sink_attn_fwd", mutates_args=())

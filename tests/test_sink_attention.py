@@ -802,11 +802,14 @@ def test_attn_debug_hooks_check_their_values():
 def test_bwd_workspace_size_checks_its_arguments():
     """The workspace query names a negative size before asking any device."""
     good = dict(Tq=8, Tk=8, Hq=4, D=64, has_sink=1, deterministic=0, device=0)
-    for name, bad, least in (("Tq", -1, 0), ("Tk", -5, 0), ("Hq", 0, 1), ("D", 0, 1), ("device", -1, 0)):
+    for name, bad, least in (("Tq", -1, 0), ("Tk", -5, 0), ("Hq", 0, 1), ("D", 0, 1), ("device", -1, 0),
+                             ("window", -1, 0)):  # fmt: skip
         with pytest.raises(ValueError, match=f"{name} must be >= {least}; got {bad}"):
             _C.sink_attn_bwd_workspace(**{**good, name: bad})
     with pytest.raises(TypeError, match="missing required keyword argument 'Tk'"):
         _C.sink_attn_bwd_workspace(**{k: v for k, v in good.items() if k != "Tk"})
+    with pytest.raises(ValueError, match="window must be >= 0; got -3"):
+        _C.sink_attn_kernels(window=-3)
 
 
 @pytest.mark.parametrize("sink", [True, False])

@@ -23,6 +23,7 @@ from _attn_checks import check_dsink, d_rounding_allowance, guarded, guards_inta
 pytestmark = pytest.mark.cuda
 
 DEV = "cuda"
+DQ_KERNEL_MAX_WINDOW = 256  # dispatch.cu: kDqKernelMaxWindow
 HUGE_GRID = 1 << 30  # a persistent-grid cap above any item count: one CTA per work item
 
 
@@ -57,6 +58,38 @@ def test_cuda_dispatcher_picks_hopper_on_sm90():
     with attn_debug(portable=True):
         assert testing.kernels() == ("portable", "portable")
     assert testing.kernels() == ("sm90", "sm90-atomic-dq")
+    # small windows at D = 128 take the deterministic pair by default (dispatch.cu, dq_kernel_pays)
+    for d, window, bwd in ((128, 1, "sm90-deterministic"), (128, DQ_KERNEL_MAX_WINDOW, "sm90-deterministic"),
+                           (128, DQ_KERNEL_MAX_WINDOW + 1, "sm90-atomic-dq"), (128, 0, "sm90-atomic-dq"),
+                           (64, 128, "sm90-atomic-dq")):  # fmt: skip
+        assert testing.kernels(D=d, window=window) == ("sm90", bwd), (d, window)
+        assert testing.kernels(deterministic=True, D=d, window=window) == ("sm90", "sm90-deterministic")
+    # ... and their workspace has no dQ accumulator
+    ws = {w: _C.sink_attn_bwd_workspace(Tq=4096, Tk=4096, Hq=8, D=128, has_sink=1, deterministic=0, device=0, window=w)
+          for w in (0, DQ_KERNEL_MAX_WINDOW)}  # fmt: skip
+    assert ws[0] - ws[DQ_KERNEL_MAX_WINDOW] >= 8 * 4096 * 128 * 4
+
+
+def test_cuda_small_window_backward_is_the_deterministic_pair(ncp_seed, monkeypatch):
+    """A window the dispatcher gives the deterministic pair by default: the default backward's
+    gradients are bitwise those of NCP_DETERMINISTIC=1 (the same kernels), run after run, and just
+    above that window the default takes the atomic kernel again (dq then differs in its last bits
+    only: test_cuda_atomic_dq_backward_matches_deterministic)."""
+    if testing.kernels()[1] != "sm90-atomic-dq":
+        pytest.skip("needs the Hopper backward (sm_90a build, compute capability 9.0)")
+    g = torch.Generator().manual_seed(ncp_seed)
+    lengths = doc_lengths(2500, "random", mean=700, generator=g)
+    c = make_attention_case(lengths, 8, 2, 128, device=DEV, generator=g, requires_grad=True)
+    args = (c["q"], c["k"], c["v"], c["sink"])
+    dout = torch.randn(c["q"].shape, generator=g).to(DEV, torch.bfloat16)
+    grads = {}
+    for det in ("0", "1", "0"):
+        monkeypatch.setenv("NCP_DETERMINISTIC", det)
+        out = ncp.sink_attention(*args, c["cu_seqlens"], window=DQ_KERNEL_MAX_WINDOW)
+        grads.setdefault(det, []).append(torch.autograd.grad(out, args, dout))
+    (a1, a2), (dt,) = grads["0"], grads["1"]
+    for i in range(4):
+        assert torch.equal(a1[i], dt[i]) and torch.equal(a2[i], dt[i]), i
 
 
 def _grads(out, tensors, dout):
@@ -328,7 +361,7 @@ def test_cuda_backward_short_key_tiles(dtype, ncp_seed, kernel):
     _check_case([192, 256, 64, 130], 2, 2, 128, 0, dtype, ncp_seed)
 
 
-@pytest.mark.parametrize("d,window", [(128, 0), (64, 513), (128, 100), (128, 513)])
+@pytest.mark.parametrize("d,window", [(128, 0), (64, 513), (64, 100), (128, DQ_KERNEL_MAX_WINDOW + 1), (128, 513)])
 def test_cuda_atomic_dq_backward_matches_deterministic(d, window, ncp_seed, monkeypatch):
     """The default Hopper backward (dq from atomic reductions) against the deterministic one and the
     fp64 oracle; dk, dv and dsink stay bitwise repeatable, dq differs only in summation order.

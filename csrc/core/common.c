@@ -33,12 +33,12 @@ const char *ncp_cuda_archs(void) { return NCP_CUDA_ARCHS_STR; }
 #ifndef NCP_WITH_CUDA
 /* A build without CUDA: no kernels, no workspace, no hooks to set. */
 int64_t ncp_sink_attn_bwd_workspace(int32_t Tq, int32_t Tk, int32_t Hq, int32_t D, int32_t has_sink,
-                                    int32_t deterministic) {
-    (void)Tq, (void)Tk, (void)Hq, (void)D, (void)has_sink, (void)deterministic;
+                                    int32_t deterministic, int32_t window) {
+    (void)Tq, (void)Tk, (void)Hq, (void)D, (void)has_sink, (void)deterministic, (void)window;
     return 0;
 }
-void ncp_sink_attn_kernels(int32_t deterministic, const char **fwd, const char **bwd) {
-    (void)deterministic;
+void ncp_sink_attn_kernels(int32_t deterministic, int32_t D, int32_t window, const char **fwd, const char **bwd) {
+    (void)deterministic, (void)D, (void)window;
     *fwd = *bwd = "none";
 }
 static ncp_attn_debug g_debug;

@@ -8,9 +8,10 @@
  *   sink_attn_bwd(*, q, k, v, out, lse, dout, dq, dk, dv, sink=None, dsink=None, workspace=None,
  *                 scale, cu_seqlens=None, window=0, row_lo=None, row_hi=None, deterministic=0,
  *                 stream=None)
- *   sink_attn_bwd_workspace(*, Tq, Tk, Hq, D, has_sink, deterministic, device) -> bytes
- *   sink_attn_kernels(*, deterministic=0, device=0) -> (forward, backward) kernel names ("none" when
- *                 no GPU can run them)
+ *   sink_attn_bwd_workspace(*, Tq, Tk, Hq, D, has_sink, deterministic, device, window=0) -> bytes
+ *                 (window: the call's, as passed to sink_attn_bwd; it picks the kernels)
+ *   sink_attn_kernels(*, deterministic=0, device=0, D=128, window=0) -> (forward, backward) kernel
+ *                 names for a call of head dim D and that window ("none" when no GPU can run them)
  *   sink_attn_check_mask(*, Tq, Tk, cu_seqlens=None, row_lo=None, row_hi=None)   host data check
  *   attn_debug(*, portable=None, grid=None, whole_tiles=None, order_waves=None) -> the previous
  *                 (portable, grid, whole_tiles, order_waves); test hooks of the dispatcher
@@ -184,17 +185,17 @@ PyObject *ncp_py_exchange_init(PyObject *m, PyObject *types) {
     return PyBool_FromLong(r);
 }
 
-static ncp_kwspec ws_spec = {"sink_attn_bwd_workspace", 7, 0x7f, {"Tq", "Tk", "Hq", "D", "has_sink", "deterministic", "device"}, {0}};
+static ncp_kwspec ws_spec = {"sink_attn_bwd_workspace", 8, 0x7f, {"Tq", "Tk", "Hq", "D", "has_sink", "deterministic", "device", "window"}, {0}};
 
 PyObject *ncp_py_sink_attn_bwd_workspace(PyObject *m, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     (void)m;
-    PyObject *v[7];
-    int32_t x[7];
+    PyObject *v[8];
+    int32_t x[8] = {0};
     if (ncp_py_kwargs(&ws_spec, args, nargs, kwnames, v) < 0) return NULL;
-    for (int i = 0; i < 7; ++i)
-        if (ncp_py_i32(v[i], ws_spec.names[i], &x[i]) < 0) return NULL;
-    static const int32_t least[7] = {0, 0, 1, 1, 0, 0, 0}; /* Tq, Tk >= 0; Hq, D >= 1; flags, device >= 0 */
-    for (int i = 0; i < 7; ++i)
+    for (int i = 0; i < 8; ++i) /* window is optional (0: no window) */
+        if (v[i] != NULL && ncp_py_i32(v[i], ws_spec.names[i], &x[i]) < 0) return NULL;
+    static const int32_t least[8] = {0, 0, 1, 1, 0, 0, 0, 0}; /* Tq, Tk >= 0; Hq, D >= 1; flags, device, window >= 0 */
+    for (int i = 0; i < 8; ++i)
         if (x[i] < least[i]) {
             PyErr_Format(PyExc_ValueError, "%s must be >= %d; got %d", ws_spec.names[i], (int)least[i], (int)x[i]);
             return NULL;
@@ -202,24 +203,29 @@ PyObject *ncp_py_sink_attn_bwd_workspace(PyObject *m, PyObject *const *args, Py_
     int32_t prev = 0;
     ncp_status st = ncp_py_cuda_enter(x[6], &prev);
     if (st != NCP_OK) return ncp_py_raise(st);
-    const int64_t bytes = ncp_sink_attn_bwd_workspace(x[0], x[1], x[2], x[3], x[4], x[5]);
+    const int64_t bytes = ncp_sink_attn_bwd_workspace(x[0], x[1], x[2], x[3], x[4], x[5], x[7]);
     ncp_py_cuda_exit(prev);
     return PyLong_FromLongLong((long long)bytes);
 }
 
-static ncp_kwspec kern_spec = {"sink_attn_kernels", 2, 0, {"deterministic", "device"}, {0}};
+static ncp_kwspec kern_spec = {"sink_attn_kernels", 4, 0, {"deterministic", "device", "D", "window"}, {0}};
 
 PyObject *ncp_py_sink_attn_kernels(PyObject *m, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     (void)m;
-    PyObject *v[2];
-    int32_t det = 0, device = 0;
+    PyObject *v[4];
+    int32_t det = 0, device = 0, D = 128, window = 0;
     if (ncp_py_kwargs(&kern_spec, args, nargs, kwnames, v) < 0) return NULL;
-    if ((v[0] && ncp_py_i32(v[0], "deterministic", &det) < 0) || (v[1] && ncp_py_i32(v[1], "device", &device) < 0))
+    if ((v[0] && ncp_py_i32(v[0], "deterministic", &det) < 0) || (v[1] && ncp_py_i32(v[1], "device", &device) < 0) ||
+        (v[2] && ncp_py_i32(v[2], "D", &D) < 0) || (v[3] && ncp_py_i32(v[3], "window", &window) < 0))
         return NULL;
+    if (window < 0) {
+        PyErr_Format(PyExc_ValueError, "window must be >= 0; got %d", (int)window);
+        return NULL;
+    }
     const char *fwd = "none", *bwd = "none";
     int32_t prev = 0;
     if (ncp_built_with_cuda() && ncp_py_cuda_enter(device, &prev) == NCP_OK) { /* else no GPU can run them */
-        ncp_sink_attn_kernels(det, &fwd, &bwd);
+        ncp_sink_attn_kernels(det, D, window, &fwd, &bwd);
         ncp_py_cuda_exit(prev);
     }
     return Py_BuildValue("(ss)", fwd, bwd);

@@ -40,6 +40,7 @@ def attn_debug(*, portable: Optional[bool] = None, grid: Optional[int] = None, w
         _C.attn_debug(portable=prev[0], grid=prev[1], whole_tiles=prev[2], order_waves=prev[3])
 
 
-def kernels(deterministic: bool = False, device: int = 0) -> tuple[str, str]:
-    """(forward, backward) kernel names the dispatcher picks for a call on ``device`` now."""
-    return tuple(_C.sink_attn_kernels(deterministic=int(deterministic), device=device))
+def kernels(deterministic: bool = False, device: int = 0, D: int = 128, window: int = 0) -> tuple[str, str]:
+    """(forward, backward) kernel names the dispatcher picks for a call on ``device`` now, of head
+    dim ``D`` and mask ``window`` (0: none; a table's window hint)."""
+    return tuple(_C.sink_attn_kernels(deterministic=int(deterministic), device=device, D=D, window=window))

@@ -8,7 +8,8 @@
  *             portable mma.sync kernel (portable_fwd.cu)
  *   backward  pre-pass (Delta, dsink; on Hopper the grids' longest-first tile orders) always;
  *             then on Hopper the dK/dV kernel with dQ added atomically into an fp32 workspace
- *             (default) or the deterministic dK/dV + dQ pair; elsewhere the portable
+ *             (default) or the deterministic dK/dV + dQ pair (asked for, or D = 128 with a
+ *             window of at most kDqKernelMaxWindow: dq_kernel_pays); elsewhere the portable
  *             (deterministic) kernels
  * The test hooks (ncp_attn_debug: portable kernels, persistent grid size, whole tiles, backward
  * orders) are one struct set from Python and read once per call; no environment variable is read
@@ -36,14 +37,23 @@ int sm_count(int dev) {
     return n;
 }
 
+/* The deterministic pair (dK/dV kernel + dQ kernel: 7 MMAs per tile against 5) beats the atomic
+ * kernel where a row sees few keys: the atomic path's memory passes (zeroing the fp32 dQ
+ * accumulator, converting it) cost per row, the two extra MMAs per visible tile. Measured on the
+ * H100 (BENCHMARKS.md, docs/EXPERIMENTS.md): D = 128 windows up to this size; not D = 64, whose
+ * atomic kernel's dQ MMA is cheaper and whose memory passes are half as large. */
+constexpr int kDqKernelMaxWindow = 256;
+bool dq_kernel_pays(int D, int window) { return D == 128 && window > 0 && window <= kDqKernelMaxWindow; }
+
 /* The decisions of one call on the current device. */
 struct choice {
     attn_config cfg;
     bool sm90;      /* Hopper kernels */
-    bool atomic_dq; /* backward: dQ by atomic reductions (Hopper, not deterministic) */
+    bool atomic_dq; /* backward: dQ by atomic reductions (Hopper, not deterministic, dq_kernel_pays false) */
 };
 
-ncp_status choose(int deterministic, choice *c) {
+/* D and window: the call's head dim and mask window (0: none; tables: the window hint). */
+ncp_status choose(int deterministic, int D, int window, choice *c) {
     int dev = 0;
     NCP_CUDA_CHECK(cudaGetDevice(&dev));
     const ncp_attn_debug d = ncp_attn_debug_get();
@@ -53,7 +63,7 @@ ncp_status choose(int deterministic, choice *c) {
     c->cfg.whole_tiles = d.whole_tiles;
     c->cfg.order_waves = d.order_waves == 0 ? kOrderWaves : d.order_waves;
     c->sm90 = !d.portable && ncp_sm90_usable();
-    c->atomic_dq = c->sm90 && !deterministic;
+    c->atomic_dq = c->sm90 && !deterministic && !dq_kernel_pays(D, window);
     return NCP_OK;
 }
 
@@ -113,9 +123,10 @@ extern "C" ncp_attn_debug ncp_attn_debug_get(void) {
     return d;
 }
 
-extern "C" void ncp_sink_attn_kernels(int32_t deterministic, const char **fwd, const char **bwd) {
+extern "C" void ncp_sink_attn_kernels(int32_t deterministic, int32_t D, int32_t window, const char **fwd,
+                                      const char **bwd) {
     ncp::choice c;
-    if (ncp::choose(deterministic, &c) != NCP_OK) {
+    if (ncp::choose(deterministic, D, window, &c) != NCP_OK) {
         *fwd = *bwd = "none";
         return;
     }
@@ -124,9 +135,9 @@ extern "C" void ncp_sink_attn_kernels(int32_t deterministic, const char **fwd, c
 }
 
 extern "C" int64_t ncp_sink_attn_bwd_workspace(int32_t Tq, int32_t Tk, int32_t Hq, int32_t D, int32_t has_sink,
-                                               int32_t deterministic) {
+                                               int32_t deterministic, int32_t window) {
     ncp::choice c;
-    if (ncp::choose(deterministic, &c) != NCP_OK) return 0;
+    if (ncp::choose(deterministic, D, window, &c) != NCP_OK) return 0;
     return ncp::layout_of(Tq, Tk, Hq, D, has_sink != 0, c).total;
 }
 
@@ -134,7 +145,7 @@ extern "C" ncp_status ncp_sink_attn_fwd_cuda(const ncp_sink_attn_params *p, void
     NCP_TRY(ncp_sink_attn_validate(p, 1));
     if (p->Tq == 0) return NCP_OK;
     ncp::choice c;
-    NCP_TRY(ncp::choose(0, &c));
+    NCP_TRY(ncp::choose(0, p->D, p->mask.window, &c));
     cudaStream_t s = (cudaStream_t)stream;
     return c.sm90 ? ncp::attn_fwd_sm90(*p, c.cfg, s) : ncp::attn_fwd_portable(*p, s);
 }
@@ -144,7 +155,7 @@ extern "C" ncp_status ncp_sink_attn_bwd_cuda(const ncp_sink_attn_bwd_params *b, 
     const ncp_sink_attn_params &p = b->f;
     if (p.Tq == 0 && p.Tk == 0) return NCP_OK;
     ncp::choice c;
-    NCP_TRY(ncp::choose(b->deterministic, &c));
+    NCP_TRY(ncp::choose(b->deterministic, p.D, p.mask.window, &c));
     const ncp::ws_layout w = ncp::layout_of(p.Tq, p.Tk, p.Hq, p.D, p.sink != nullptr, c);
     NCP_ARG_CHECK(b->workspace != nullptr && b->workspace_bytes >= w.total,
                   "workspace must hold %lld bytes for this backward (ncp_sink_attn_bwd_workspace); got %lld",

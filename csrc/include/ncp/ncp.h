@@ -263,13 +263,16 @@ ncp_status ncp_sink_attn_bwd_cuda(const ncp_sink_attn_bwd_params *p, void *strea
 
 /* Bytes of workspace the CUDA backward needs on the current device for these sizes (0 on a build
  * without CUDA); the dispatcher alone decides, so callers never size buffers by kernel. Tq and Tk
- * are the query rows and keys of the call (Tk sizes the Hopper kernels' longest-first tile order). */
+ * are the query rows and keys of the call (Tk sizes the Hopper kernels' longest-first tile order);
+ * window is the call's mask window (documents) or window hint (tables), 0 for none: with D = 128
+ * a small window takes the deterministic kernel pair even when not asked (dispatch.cu). */
 int64_t ncp_sink_attn_bwd_workspace(int32_t Tq, int32_t Tk, int32_t Hq, int32_t D, int32_t has_sink,
-                                    int32_t deterministic);
+                                    int32_t deterministic, int32_t window);
 
-/* Names of the kernels a call on the current device runs: forward and backward, e.g. "sm90" and
- * "sm90-atomic-dq", "sm90-deterministic", "portable"; "none" without a CUDA build. */
-void ncp_sink_attn_kernels(int32_t deterministic, const char **fwd, const char **bwd);
+/* Names of the kernels a call on the current device runs for head dim D and mask window (0: none):
+ * forward and backward, e.g. "sm90" and "sm90-atomic-dq", "sm90-deterministic", "portable"; "none"
+ * without a CUDA build. */
+void ncp_sink_attn_kernels(int32_t deterministic, int32_t D, int32_t window, const char **fwd, const char **bwd);
 
 /* Test hooks, one struct read once per call by the dispatcher (never environment variables):
  * portable = 1 runs the portable mma.sync kernels on any GPU; grid > 0 caps the persistent Hopper
