@@ -9,8 +9,8 @@
  *   backward  pre-pass (Delta, dsink; on Hopper the grids' longest-first tile orders) always;
  *             then on Hopper the dK/dV kernel with dQ added atomically into an fp32 workspace
  *             (default) or the deterministic dK/dV + dQ pair (asked for, or D = 128 with a
- *             window of at most kDqKernelMaxWindow: dq_kernel_pays); elsewhere the portable
- *             (deterministic) kernels
+ *             small window on a device of little memory bandwidth: dq_kernel_pays); elsewhere
+ *             the portable (deterministic) kernels
  * The test hooks (ncp_attn_debug: portable kernels, persistent grid size, whole tiles, backward
  * orders) are one struct set from Python and read once per call; no environment variable is read
  * here.
@@ -37,13 +37,40 @@ int sm_count(int dev) {
     return n;
 }
 
-/* The deterministic pair (dK/dV kernel + dQ kernel: 7 MMAs per tile against 5) beats the atomic
- * kernel where a row sees few keys: the atomic path's memory passes (zeroing the fp32 dQ
- * accumulator, converting it) cost per row, the two extra MMAs per visible tile. Measured on the
- * H100 (BENCHMARKS.md, docs/EXPERIMENTS.md): D = 128 windows up to this size; not D = 64, whose
- * atomic kernel's dQ MMA is cheaper and whose memory passes are half as large. */
-constexpr int kDqKernelMaxWindow = 256;
-bool dq_kernel_pays(int D, int window) { return D == 128 && window > 0 && window <= kDqKernelMaxWindow; }
+/* Peak memory bandwidth per SM per SM clock (bytes) of device dev, 0 when unknown: about 12.8 on an
+ * H100 SXM (3.35 TB/s), 18 on an H200 (4.8 TB/s), both 132 SMs at 1.98 GHz. */
+double mem_bytes_per_sm_clock(int dev) {
+    static double cached[kMaxDevices];
+    if (dev < kMaxDevices && cached[dev] > 0) return cached[dev];
+    int mem_khz = 0, bus_bits = 0, sm_khz = 0;
+    const int sms = sm_count(dev);
+    if (sms <= 0 || cudaDeviceGetAttribute(&mem_khz, cudaDevAttrMemoryClockRate, dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&bus_bits, cudaDevAttrGlobalMemoryBusWidth, dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&sm_khz, cudaDevAttrClockRate, dev) != cudaSuccess || mem_khz <= 0 || bus_bits <= 0 ||
+        sm_khz <= 0) {
+        cudaGetLastError(); /* an unsupported attribute leaves no sticky error; clear the last one */
+        return 0.0;
+    }
+    const double v = 2.0 * mem_khz * (bus_bits / 8) / ((double)sms * sm_khz); /* double data rate */
+    if (dev < kMaxDevices) cached[dev] = v;
+    return v;
+}
+
+/* Whether the deterministic pair (dK/dV kernel + dQ kernel, 7 MMAs per tile against 5) is faster
+ * than the atomic-dQ kernel, so a call that did not ask for determinism takes it too. The atomic
+ * path pays two memory passes per query row (zeroing the fp32 dQ accumulator, converting it), the
+ * pair two more MMAs per visible tile: the pair wins where a row sees few keys on a device of
+ * little memory bandwidth per unit of compute. Measured (BENCHMARKS.md, docs/EXPERIMENTS.md):
+ * D = 128, window 128, 8k documents, 32/8 heads: the pair 9-10% faster forward+backward on the
+ * H100 SXM in four runs, 1-6% slower on the H200 in six; window 513: slower on both; D = 64,
+ * window 128 (gpt-oss): slower on both. */
+constexpr int kDqKernelMaxWindow = 128;
+constexpr double kDqKernelMaxBytesPerSmClock = 15.0;
+bool dq_kernel_pays(int dev, int D, int window) {
+    if (D != 128 || window <= 0 || window > kDqKernelMaxWindow) return false;
+    const double b = mem_bytes_per_sm_clock(dev);
+    return b > 0 && b < kDqKernelMaxBytesPerSmClock;
+}
 
 /* The decisions of one call on the current device. */
 struct choice {
@@ -63,7 +90,7 @@ ncp_status choose(int deterministic, int D, int window, choice *c) {
     c->cfg.whole_tiles = d.whole_tiles;
     c->cfg.order_waves = d.order_waves == 0 ? kOrderWaves : d.order_waves;
     c->sm90 = !d.portable && ncp_sm90_usable();
-    c->atomic_dq = c->sm90 && !deterministic && !dq_kernel_pays(D, window);
+    c->atomic_dq = c->sm90 && !deterministic && !dq_kernel_pays(dev, D, window);
     return NCP_OK;
 }
 
