@@ -44,13 +44,14 @@ double mem_bytes_per_sm_clock(int dev) {
     if (dev < kMaxDevices && cached[dev] > 0) return cached[dev];
     int mem_khz = 0, bus_bits = 0, sm_khz = 0;
     const int sms = sm_count(dev);
-    if (sms <= 0 || cudaDeviceGetAttribute(&mem_khz, cudaDevAttrMemoryClockRate, dev) != cudaSuccess ||
+    if (sms <= 0) return 0.0;
+    if (cudaDeviceGetAttribute(&mem_khz, cudaDevAttrMemoryClockRate, dev) != cudaSuccess ||
         cudaDeviceGetAttribute(&bus_bits, cudaDevAttrGlobalMemoryBusWidth, dev) != cudaSuccess ||
-        cudaDeviceGetAttribute(&sm_khz, cudaDevAttrClockRate, dev) != cudaSuccess || mem_khz <= 0 || bus_bits <= 0 ||
-        sm_khz <= 0) {
-        cudaGetLastError(); /* an unsupported attribute leaves no sticky error; clear the last one */
+        cudaDeviceGetAttribute(&sm_khz, cudaDevAttrClockRate, dev) != cudaSuccess) {
+        cudaGetLastError(); /* a refused attribute is not sticky: clear it so no later check reports it */
         return 0.0;
     }
+    if (mem_khz <= 0 || bus_bits <= 0 || sm_khz <= 0) return 0.0;
     const double v = 2.0 * mem_khz * (bus_bits / 8) / ((double)sms * sm_khz); /* double data rate */
     if (dev < kMaxDevices) cached[dev] = v;
     return v;
