@@ -86,6 +86,23 @@ def test_cuda_dispatcher_picks_hopper_on_sm90():
     assert (acc - 4096 <= diff < acc) if small == "sm90-deterministic" else diff == 0, diff
 
 
+def _default_det_default(seed, tokens, mean, d, window, monkeypatch):
+    """A random document case (8/2 heads, head dim d) and its gradients (q, k, v, sink) from the
+    default backward, the deterministic one, then the default again: (case, leaves, dout, (default
+    run 1, default run 2, deterministic))."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = doc_lengths(tokens, "random", mean=mean, generator=g)
+    c = make_attention_case(lengths, 8, 2, d, device=DEV, generator=g, requires_grad=True)
+    args = (c["q"], c["k"], c["v"], c["sink"])
+    dout = torch.randn(c["q"].shape, generator=g).to(DEV, torch.bfloat16)
+    grads = {}
+    for det in ("0", "1", "0"):
+        monkeypatch.setenv("NCP_DETERMINISTIC", det)
+        out = ncp.sink_attention(*args, c["cu_seqlens"], window=window)
+        grads.setdefault(det, []).append(torch.autograd.grad(out, args, dout))
+    return c, args, dout, (grads["0"][0], grads["0"][1], grads["1"][0])
+
+
 def test_cuda_small_window_backward_is_the_deterministic_pair(ncp_seed, monkeypatch):
     """A window the dispatcher gives the deterministic pair by default: the default backward's
     gradients are bitwise those of NCP_DETERMINISTIC=1 (the same kernels), run after run, and just
@@ -95,17 +112,7 @@ def test_cuda_small_window_backward_is_the_deterministic_pair(ncp_seed, monkeypa
         pytest.skip("needs the Hopper backward (sm_90a build, compute capability 9.0)")
     if not _lean_memory():
         pytest.skip("this device keeps the atomic kernel for small windows (dispatch.cu, dq_kernel_pays)")
-    g = torch.Generator().manual_seed(ncp_seed)
-    lengths = doc_lengths(2500, "random", mean=700, generator=g)
-    c = make_attention_case(lengths, 8, 2, 128, device=DEV, generator=g, requires_grad=True)
-    args = (c["q"], c["k"], c["v"], c["sink"])
-    dout = torch.randn(c["q"].shape, generator=g).to(DEV, torch.bfloat16)
-    grads = {}
-    for det in ("0", "1", "0"):
-        monkeypatch.setenv("NCP_DETERMINISTIC", det)
-        out = ncp.sink_attention(*args, c["cu_seqlens"], window=DQ_KERNEL_MAX_WINDOW)
-        grads.setdefault(det, []).append(torch.autograd.grad(out, args, dout))
-    (a1, a2), (dt,) = grads["0"], grads["1"]
+    _, _, _, (a1, a2, dt) = _default_det_default(ncp_seed, 2500, 700, 128, DQ_KERNEL_MAX_WINDOW, monkeypatch)
     for i in range(4):
         assert torch.equal(a1[i], dt[i]) and torch.equal(a2[i], dt[i]), i
 
@@ -388,18 +395,7 @@ def test_cuda_atomic_dq_backward_matches_deterministic(d, window, ncp_seed, monk
     with one barrier per item)."""
     if testing.kernels()[1] != "sm90-atomic-dq":
         pytest.skip("needs the Hopper backward (sm_90a build, compute capability 9.0)")
-    monkeypatch.delenv("NCP_DETERMINISTIC", raising=False)
-    g = torch.Generator().manual_seed(ncp_seed)
-    lengths = doc_lengths(3000, "random", mean=800, generator=g)
-    c = make_attention_case(lengths, 8, 2, d, device=DEV, generator=g, requires_grad=True)
-    args = (c["q"], c["k"], c["v"], c["sink"])
-    dout = torch.randn(c["q"].shape, generator=g).to(DEV, torch.bfloat16)
-    grads = {}
-    for det in ("0", "1", "0"):
-        monkeypatch.setenv("NCP_DETERMINISTIC", det)
-        out = ncp.sink_attention(*args, c["cu_seqlens"], window=window)
-        grads.setdefault(det, []).append(torch.autograd.grad(out, args, dout))
-    (a1, a2), (dt,) = grads["0"], grads["1"]
+    c, args, dout, (a1, a2, dt) = _default_det_default(ncp_seed, 3000, 800, d, window, monkeypatch)
     for i in (1, 2, 3):  # dk, dv, dsink do not depend on the dq mode
         assert torch.equal(a1[i], dt[i]) and torch.equal(a2[i], dt[i])
     ref_leaves = [t.detach().double().requires_grad_() for t in args]
