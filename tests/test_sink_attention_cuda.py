@@ -23,7 +23,7 @@ from _attn_checks import check_dsink, d_rounding_allowance, guarded, guards_inta
 pytestmark = pytest.mark.cuda
 
 DEV = "cuda"
-DQ_KERNEL_MAX_WINDOW = 128  # dispatch.cu: kDqKernelMaxWindow
+DQ_KERNEL_MAX_WINDOW = 192  # dispatch.cu: kDqKernelMaxWindow
 
 
 def _lean_memory() -> bool:

@@ -62,10 +62,13 @@ double mem_bytes_per_sm_clock(int dev) {
  * path pays two memory passes per query row (zeroing the fp32 dQ accumulator, converting it), the
  * pair two more MMAs per visible tile: the pair wins where a row sees few keys on a device of
  * little memory bandwidth per unit of compute. Measured (BENCHMARKS.md, docs/EXPERIMENTS.md):
- * D = 128, window 128, 8k documents, 32/8 heads: the pair 9-10% faster forward+backward on the
- * H100 SXM in four runs, 1-6% slower on the H200 in six; window 513: slower on both; D = 64,
- * window 128 (gpt-oss): slower on both. */
-constexpr int kDqKernelMaxWindow = 128;
+ * D = 128, window 128, 8k documents, 32/8 heads: the pair 9-13% faster forward+backward on the
+ * H100 SXM in five runs, 1-6% slower on the H200 in six; window 513: slower on both; D = 64,
+ * window 128 (gpt-oss): slower on both. H100 window sweep (32/4 and 32/8 heads, 8k and 2k
+ * documents, forward+backward time of the pair against the atomic kernel): window 192 -2.1% to
+ * -3.4%, 256 +1.1% to +1.2%, 320 +3.6% to +6.4%, 384 and 448 +8% to +10%: the limit is the
+ * largest measured window where the pair wins. */
+constexpr int kDqKernelMaxWindow = 192;
 constexpr double kDqKernelMaxBytesPerSmClock = 15.0;
 bool dq_kernel_pays(int dev, int D, int window) {
     if (D != 128 || window <= 0 || window > kDqKernelMaxWindow) return false;
