@@ -31,86 +31,6 @@ inline bool skips_items(const ncp_sink_attn_params &p) { return p.mask.window > 
  * whole items with one barrier per item. */
 constexpr int kDeferredMinQTiles = 8;
 
-#ifdef NCP_SM90_DEVICE
-/* Pins fragments that an issued MMA reads until the wait that covers it. */
-template <int K> __device__ __forceinline__ void keep_frags(uint32_t (*df)[4]) {
-#pragma unroll
-    for (int kk = 0; kk < K / 16; ++kk)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(df[kk][e])::"memory");
-}
-
-/* One consumer warpgroup's walk of the dQ kernel's kv tiles (64 query rows; the kernel below).
- * Tile it is kv tile kt_hi - it in ring stage Ring::slot(it). */
-template <typename T, int D, bool SKIP> struct DqTile {
-    const q_tile_range &rng, &wr; /* the CTA's kv tiles; this warpgroup's (SKIP) */
-    const Bars &bar;
-    uint32_t sQ, sO, sK0, sV0; /* this warpgroup's Q and dO rows; the K and V rings */
-    int n_it;
-    using L = Layout<D, QQB, QKB>;
-
-    /* Waits for tile it's stage; whether this warpgroup takes the tile (SKIP: false for a tile
-     * outside its rows; the stage is still released after its step). */
-    __device__ __forceinline__ bool ready(int it) const {
-        sm90::mbar_wait(bar.a(Ring::slot(it)), Ring::full_phase(it));
-        const int kt = rng.kt_hi - it;
-        return !SKIP || (kt >= wr.kt_lo && kt <= wr.kt_hi);
-    }
-    /* Issues S = Q K^T and dP = dO V^T of tile it (two commit groups). */
-    __device__ __forceinline__ void issue(int it, float *sc, float *dp) const {
-        const int s = Ring::slot(it);
-        sm90::gemm_ss<T, QKB, D>(sc, sQ, QQB * 128, sK0 + s * L::tile_bytes, QKB * 128);
-        sm90::mbar_wait(bar.b(s), Ring::full_phase(it));
-        sm90::gemm_ss<T, QKB, D>(dp, sO, QQB * 128, sV0 + s * L::tile_bytes, QKB * 128);
-    }
-    /* Tile it (S and dP complete; taken: on): dS, then dQ += dS K; returns once every MMA this
-     * warpgroup issued is complete. Every branch waits before it merges: an accumulator in flight
-     * across a merge makes ptxas serialize the kernel's wgmma (C7514). */
-    __device__ __forceinline__ void finish(int it, bool on, const float *sc, float *dp, uint32_t (*df)[4], float *dq,
-                                           const int *lo, const int *hi, const float *l2, const float *dl,
-                                           float scale_log2, int Tk) const {
-        if (on) {
-            const int kt = rng.kt_hi - it, tq = threadIdx.x & 3;
-            const bool full = full_cols(wr, kt * QKB, QKB, Tk);
-#pragma unroll
-            for (int j = 0; j < QKB / 8; ++j)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int r = e >> 1, kj = kt * QKB + 8 * j + 2 * tq + (e & 1);
-                    const bool vis = full || (kj >= lo[r] && kj <= hi[r]);
-                    const float pv = vis ? ex2(sc[4 * j + e] * scale_log2 - l2[r]) : 0.f;
-                    dp[4 * j + e] = pv * (dp[4 * j + e] - dl[r]);
-                }
-            to_frags<T, QKB>(df, dp);
-            sm90::gemm_rs<T, D, QKB>(dq, df, sK0 + Ring::slot(it) * L::tile_bytes, QKB * 128);
-            sm90::wg_wait<0>();
-            sm90::fence_regs(dq, D / 2);
-            keep_frags<QKB>(df);
-        } else {
-            sm90::wg_wait<0>();
-        }
-    }
-    /* Tile it: issues tile it + 1 into (scn, dpn) when this warpgroup takes it, finishes tile it
-     * while the tensor pipe computes them, releases tile it's stage. Returns whether tile it + 1
-     * was issued; no MMA is in flight after a step. */
-    __device__ __forceinline__ bool step(int it, float *sc, float *dp, float *scn, float *dpn, bool on,
-                                         uint32_t (*df)[4], float *dq, const int *lo, const int *hi,
-                                         const float *l2, const float *dl, float scale_log2, int Tk) const {
-        const bool next = it + 1 < n_it && ready(it + 1);
-        if (next) {
-            issue(it + 1, scn, dpn);
-            finish(it, on, sc, dp, df, dq, lo, hi, l2, dl, scale_log2, Tk);
-            sm90::fence_regs(scn, QKB / 2);
-            sm90::fence_regs(dpn, QKB / 2);
-        } else {
-            finish(it, on, sc, dp, df, dq, lo, hi, l2, dl, scale_log2, Tk);
-        }
-        sm90::warp_arrive(bar.e(Ring::slot(it)));
-        return next;
-    }
-};
-#endif /* NCP_SM90_DEVICE */
-
 template <typename T, int D, bool ADQ, class Mask, bool SKIP>
 __global__ void __launch_bounds__(kThreads, 1)
     bwd_dkdv_sm90_kernel(const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
@@ -184,7 +104,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         return;
     }
     Split::consumer();
-    const int cw = sm90::warp_uniform(wg - 1), row0 = 64 * cw + 16 * ((tid & 127) >> 5) + (lane >> 2);
+    const int cw = sm90::warp_uniform(wg - 1), tq = lane & 3, row0 = 64 * cw + 16 * ((tid & 127) >> 5) + (lane >> 2);
     int lo[2], hi[2];
     float l2[2], dl[2];
 #pragma unroll
@@ -208,24 +128,42 @@ __global__ void __launch_bounds__(kThreads, 1)
     float dq[D / 2];
 #pragma unroll
     for (int i = 0; i < D / 2; ++i) dq[i] = 0.f;
-    /* Software-pipelined over the kv tiles: S and dP of tile it + 1 are issued before the
-     * elementwise pass of tile it, so they run in the tensor pipe under it; then dQ += dS K of
-     * tile it. The waits count commit groups: 2 per S/dP pair, 1 per dQ. Stage it is released one
-     * tile later, once its dQ (the last reader of K) is complete. */
-    DqTile<T, D, SKIP> t{rng, wr, bar, sQ + cw * 64 * 128, sO + cw * 64 * 128, sK0, sV0, n_it};
-    float scA[QKB / 2], dpA[QKB / 2], scB[QKB / 2], dpB[QKB / 2];
-    uint32_t df[QKB / 16][4];
     sm90::mbar_wait(bar.stat(), 0);
-    bool on = false;
-    if (n_it > 0 && (on = t.ready(0))) {
-        t.issue(0, scA, dpA);
+    for (int it = 0; it < n_it; ++it) {
+        const int s = Ring::slot(it), kt = rng.kt_hi - it;
+        const uint32_t sK = sK0 + s * L::tile_bytes, sV = sV0 + s * L::tile_bytes;
+        sm90::mbar_wait(bar.a(s), Ring::full_phase(it));
+        if (SKIP && (kt < wr.kt_lo || kt > wr.kt_hi)) {
+            sm90::warp_arrive(bar.e(s));
+            continue;
+        }
+        const bool full = full_cols(wr, kt * QKB, QKB, p.Tk);
+        float sc[QKB / 2], dp[QKB / 2];
+        sm90::gemm_ss<T, QKB, D>(sc, sQ + cw * 64 * 128, QQB * 128, sK, QKB * 128);
+        sm90::mbar_wait(bar.b(s), Ring::full_phase(it));
+        sm90::gemm_ss<T, QKB, D>(dp, sO + cw * 64 * 128, QQB * 128, sV, QKB * 128);
         sm90::wg_wait<0>();
-        sm90::fence_regs(scA, QKB / 2);
-        sm90::fence_regs(dpA, QKB / 2);
-    }
-    for (int it = 0; it < n_it; it += 2) {
-        on = t.step(it, scA, dpA, scB, dpB, on, df, dq, lo, hi, l2, dl, scale_log2, p.Tk);
-        if (it + 1 < n_it) on = t.step(it + 1, scB, dpB, scA, dpA, on, df, dq, lo, hi, l2, dl, scale_log2, p.Tk);
+        sm90::fence_regs(sc, QKB / 2);
+        sm90::fence_regs(dp, QKB / 2);
+#pragma unroll
+        for (int j = 0; j < QKB / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int r = e >> 1, kj = kt * QKB + 8 * j + 2 * tq + (e & 1);
+                const bool vis = full || (kj >= lo[r] && kj <= hi[r]);
+                const float pv = vis ? ex2(sc[4 * j + e] * scale_log2 - l2[r]) : 0.f;
+                dp[4 * j + e] = pv * (dp[4 * j + e] - dl[r]);
+            }
+        uint32_t df[QKB / 16][4];
+        to_frags<T, QKB>(df, dp);
+        sm90::gemm_rs<T, D, QKB>(dq, df, sK, QKB * 128);
+        sm90::wg_wait<0>();
+        sm90::fence_regs(dq, D / 2);
+#pragma unroll
+        for (int kk = 0; kk < QKB / 16; ++kk)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(df[kk][e])::"memory");
+        sm90::warp_arrive(bar.e(s));
     }
     store_rows<T, D, QQB>(dq, (float)p.scale, sQ, 64 * cw, reinterpret_cast<T *>(b.dq) + (int64_t)h * b.dq_sh, b.dq_st,
                           q0 + 64 * cw, p.Tq, cw);
