@@ -129,11 +129,6 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int i = 0; i < D / 2; ++i) dq[i] = 0.f;
     sm90::mbar_wait(bar.stat(), 0);
-    /* Q and dO stay in registers as A fragments: S and dP then read only K and V from shared
-     * memory (a 64 x 64 SS MMA reads as many A bytes as B bytes). */
-    uint32_t qf[D / 16][4], of[D / 16][4];
-    sm90::load_a_frags<D>(qf, sQ, QQB, 64 * cw);
-    sm90::load_a_frags<D>(of, sO, QQB, 64 * cw);
     for (int it = 0; it < n_it; ++it) {
         const int s = Ring::slot(it), kt = rng.kt_hi - it;
         const uint32_t sK = sK0 + s * L::tile_bytes, sV = sV0 + s * L::tile_bytes;
@@ -144,9 +139,9 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
         const bool full = full_cols(wr, kt * QKB, QKB, p.Tk);
         float sc[QKB / 2], dp[QKB / 2];
-        sm90::gemm_rs_kmajor<T, QKB, D>(sc, qf, sK, QKB * 128);
+        sm90::gemm_ss<T, QKB, D>(sc, sQ + cw * 64 * 128, QQB * 128, sK, QKB * 128);
         sm90::mbar_wait(bar.b(s), Ring::full_phase(it));
-        sm90::gemm_rs_kmajor<T, QKB, D>(dp, of, sV, QKB * 128);
+        sm90::gemm_ss<T, QKB, D>(dp, sO + cw * 64 * 128, QQB * 128, sV, QKB * 128);
         sm90::wg_wait<0>();
         sm90::fence_regs(sc, QKB / 2);
         sm90::fence_regs(dp, QKB / 2);

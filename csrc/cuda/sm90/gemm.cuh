@@ -46,33 +46,6 @@ __device__ __forceinline__ void gemm_rs(float *acc, uint32_t (*a)[4], uint32_t b
     rs_steps<T, N, K>(acc, a, b, lbo, keep);
     wg_commit();
 }
-/* acc[64 x N] = A[64 x D] B[N x D]^T with A as register fragments (D/16 of them) and B K-major in
- * D/64 swizzled column blocks b_cb bytes apart (as gemm_ss's B); acc is overwritten. */
-template <typename T, int N, int D>
-__device__ __forceinline__ void gemm_rs_kmajor(float *acc, const uint32_t (*a)[4], uint32_t b, uint32_t b_cb) {
-    fence_regs(acc, N / 2);
-    wg_fence();
-    const uint32_t lb = desc_lo(b, kLboKMajor);
-#pragma unroll
-    for (int ks = 0; ks < D / 16; ++ks)
-        wgmma<T, N>::template rs<0>(acc, a[ks], desc_of(lb + (ks >> 2) * (b_cb >> 4) + (ks & 3) * 2), ks > 0);
-    wg_commit();
-}
-
-/* This thread's A fragments (D/16 k-steps) of rows [row0, row0 + 64) of a swizzled tile of `rows`
- * rows (arch.cuh layout), for a warpgroup's m64 wgmma: warp w takes rows row0 + 16 w. */
-template <int D>
-__device__ __forceinline__ void load_a_frags(uint32_t (*a)[4], uint32_t tile, int rows, int row0) {
-    const int lane = threadIdx.x & 31, r = row0 + 16 * ((threadIdx.x & 127) >> 5) + (lane & 15);
-#pragma unroll
-    for (int ks = 0; ks < D / 16; ++ks) {
-        const int c = (ks & 3) * 2 + (lane >> 4); /* 16-byte chunk inside the 128-byte row */
-        const uint32_t addr = tile + (ks >> 2) * rows * 128 + r * 128 + ((c ^ (r & 7)) << 4);
-        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                     : "=r"(a[ks][0]), "=r"(a[ks][1]), "=r"(a[ks][2]), "=r"(a[ks][3])
-                     : "r"(addr));
-    }
-}
 #endif
 }  // namespace sm90
 }  // namespace ncp
