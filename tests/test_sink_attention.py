@@ -799,6 +799,20 @@ def test_attn_debug_hooks_check_their_values():
     assert _C.attn_debug() == before
 
 
+def test_attn_debug_clears_the_workspace_size_cache():
+    """The hooks change which kernels a backward takes, and so the workspace size a shape needs:
+    entering and leaving attn_debug drops the cached sizes (a size cached under the portable hook
+    was too small for the Hopper backward of the same shape, which then refused the call)."""
+    from nemo_cp_native import attention
+    from nemo_cp_native.testing import attn_debug
+
+    attention._ws_bytes[("sentinel",)] = 1
+    with attn_debug(portable=True):
+        assert attention._ws_bytes == {}
+        attention._ws_bytes[("inside",)] = 1
+    assert attention._ws_bytes == {}
+
+
 def test_bwd_workspace_size_checks_its_arguments():
     """The workspace query names a negative size before asking any device."""
     good = dict(Tq=8, Tk=8, Hq=4, D=64, has_sink=1, deterministic=0, device=0)

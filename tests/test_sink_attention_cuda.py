@@ -103,6 +103,23 @@ def _default_det_default(seed, tokens, mean, d, window, monkeypatch):
     return c, args, dout, (grads["0"][0], grads["0"][1], grads["1"][0])
 
 
+def test_cuda_backward_after_the_portable_hook_same_shape(ncp_seed):
+    """A shape's backward under attn_debug(portable=True), then the same shape on the default
+    kernels: the second call sizes its own workspace (it was refused with a workspace sized for the
+    portable kernels when the size cache outlived the hook) and matches the first."""
+    g = torch.Generator().manual_seed(ncp_seed)
+    c = make_attention_case([300, 212], 4, 2, 64, device=DEV, generator=g)
+    dout = torch.randn(c["q"].shape, generator=g).to(DEV, c["q"].dtype)
+    grads = []
+    for portable in (True, False):
+        leaves = [c[n].detach().requires_grad_() for n in ("q", "k", "v", "sink")]
+        with attn_debug(portable=portable):
+            ncp.sink_attention(*leaves, c["cu_seqlens"], window=100).backward(dout)
+        grads.append([t.grad for t in leaves])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+
+
 def test_cuda_small_window_backward_is_the_deterministic_pair(ncp_seed, monkeypatch):
     """A window the dispatcher gives the deterministic pair by default: the default backward's
     gradients are bitwise those of NCP_DETERMINISTIC=1 (the same kernels), run after run, and just

@@ -7,7 +7,8 @@
                                            # longest-first order, k > 0: within chunks of k waves)
 
 The hooks are one struct in the extension, read once per call; they are process-global, so do
-not use them from several threads at once.
+not use them from several threads at once. Entering and leaving the block clears the cache of
+backward workspace sizes (``attention._ws_bytes``): the portable hook changes the size a shape needs.
 """
 
 from __future__ import annotations
@@ -33,11 +34,15 @@ def attn_debug(*, portable: Optional[bool] = None, grid: Optional[int] = None, w
         args["grid"] = int(grid)
     if whole_tiles is not None:
         args["whole_tiles"] = int(bool(whole_tiles))
+    from .. import attention  # the package imports testing lazily: no cycle at import time
+
     prev = _C.attn_debug(**args)
+    attention._ws_bytes.clear()  # the backward workspace's size depends on the kernels the hooks pick
     try:
         yield
     finally:
         _C.attn_debug(portable=prev[0], grid=prev[1], whole_tiles=prev[2], order_waves=prev[3])
+        attention._ws_bytes.clear()
 
 
 def kernels(deterministic: bool = False, device: int = 0, D: int = 128, window: int = 0) -> tuple[str, str]:
