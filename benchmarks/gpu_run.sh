@@ -34,7 +34,7 @@ note() { echo "[$(date +%T)] $*" | tee -a "$SUM"; }
 want() { [[ " $STAGES " == *" all "* || " $STAGES " == *" $1 "* ]]; }
 
 note "commit $NCP_COMMIT stages: $STAGES"
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv,noheader >> "$SUM" 2>&1
+nvidia-smi --query-gpu=name,uuid,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,ecc.errors.uncorrected.volatile.total --format=csv,noheader >> "$SUM" 2>&1
 
 if [[ " $STAGES " == *" baseline "* ]]; then  # built in the background, beside the main build
   ( cd .baseline && rm -f nemo_cp_native/_C*.so && NCP_FORCE_CUDA=1 NCP_NVCC_JOBS=8 $PY setup.py build_ext --inplace \
