@@ -134,6 +134,10 @@ __global__ void __launch_bounds__(kThreads, 1)
         const uint32_t sK = sK0 + s * L::tile_bytes, sV = sV0 + s * L::tile_bytes;
         sm90::mbar_wait(bar.a(s), Ring::full_phase(it));
         if (SKIP && (kt < wr.kt_lo || kt > wr.kt_hi)) {
+            /* V's load too before the release: when both warpgroups skip a tile (a table whose rows
+             * jump past it) nobody else waits for it, and the producer would re-arm its barrier
+             * with the load in flight. */
+            sm90::mbar_wait(bar.b(s), Ring::full_phase(it));
             sm90::warp_arrive(bar.e(s));
             continue;
         }

@@ -118,6 +118,12 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
         }
     }
     __device__ __forceinline__ void release(int it) const { sm90::warp_arrive(bar.e(Ring::slot(it))); }
+    /* A skipped item: wait for its dO load too before the stage is released. Only sdp waits for it
+     * otherwise, and when both warpgroups skip an item (a table whose rows jump past the CTA's
+     * keys) the producer could re-arm a barrier whose load is still in flight. */
+    __device__ __forceinline__ void wait_b(int it) const {
+        sm90::mbar_wait(bar.b(Ring::slot(it)), Ring::full_phase(it));
+    }
     static __device__ __forceinline__ void fence_frags(uint32_t (*pf)[4], uint32_t (*df)[4]) {
 #pragma unroll
         for (int kk = 0; kk < KQB / 16; ++kk)
@@ -152,6 +158,7 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
         uint32_t f = SKIP ? wait_item(0) : 1u;
         for (int it = 0; it < w.n_it; ++it) {
             if (SKIP && !(f & 1u)) { /* none of this warpgroup's keys is seen: nothing to add */
+                wait_b(it);
                 release(it);
                 f = wait_item(it + 1);
                 continue;
@@ -248,6 +255,7 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
         uint32_t f = SKIP ? wait_item(0) : 1u;
         for (int it = 0; it < w.n_it; ++it) {
             if (SKIP && D == 64 && !(f & 1u)) { /* this warpgroup's share of dK, dV and dQ is zero */
+                wait_b(it);
                 release(it);
                 f = wait_item(it + 1);
                 continue;
@@ -285,6 +293,7 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
             } else { /* D = 128, none of this warpgroup's keys seen: its dS^T rows would be zero, so
                       * neither warpgroup reads them (bit 2 of the other's flags), and its dQ columns
                       * take the other warpgroup's keys alone, or are zero when no key is seen */
+                wait_b(it);
                 if (leader) sm90::bulk_wait_read<0>();
                 sm90::named_sync_unaligned(kDsBar, 256);
                 if (f & 4u) {
@@ -379,6 +388,9 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
             if (it >= 2) sm90::named_sync(kDqDone + 2 * other + (it & 1), 256); /* dQ of item it - 2 read buffer it & 1 */
             probs_to_smem(st, dpt, pf, sDS, it, (f >> 1) & 1u);
         } else { /* no MMA in this branch: a wgmma in one path only serializes them all (C7515) */
+            /* The dV MMA below reads this stage's dO even with P^T = 0, and 0 x NaN is NaN: wait
+             * for its load as sdp does (stale shared memory gave dv 64 NaN, docs/EXPERIMENTS.md). */
+            wait_b(it);
             if (it >= 2) sm90::named_sync(kDqDone + 2 * other + (it & 1), 256);
             zero_ds_rows(sDS);
 #pragma unroll
