@@ -824,6 +824,8 @@ def test_bwd_workspace_size_checks_its_arguments():
         _C.sink_attn_bwd_workspace(**{k: v for k, v in good.items() if k != "Tk"})
     with pytest.raises(ValueError, match="window must be >= 0; got -3"):
         _C.sink_attn_kernels(window=-3)
+    with pytest.raises(ValueError, match="D must be >= 1; got 0"):
+        _C.sink_attn_kernels(D=0)
 
 
 @pytest.mark.parametrize("sink", [True, False])

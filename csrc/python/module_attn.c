@@ -218,8 +218,9 @@ PyObject *ncp_py_sink_attn_kernels(PyObject *m, PyObject *const *args, Py_ssize_
     if ((v[0] && ncp_py_i32(v[0], "deterministic", &det) < 0) || (v[1] && ncp_py_i32(v[1], "device", &device) < 0) ||
         (v[2] && ncp_py_i32(v[2], "D", &D) < 0) || (v[3] && ncp_py_i32(v[3], "window", &window) < 0))
         return NULL;
-    if (window < 0) {
-        PyErr_Format(PyExc_ValueError, "window must be >= 0; got %d", (int)window);
+    if (D < 1 || window < 0) {
+        PyErr_Format(PyExc_ValueError, D < 1 ? "D must be >= 1; got %d" : "window must be >= 0; got %d",
+                     D < 1 ? (int)D : (int)window);
         return NULL;
     }
     const char *fwd = "none", *bwd = "none";

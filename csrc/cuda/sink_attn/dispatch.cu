@@ -38,23 +38,22 @@ int sm_count(int dev) {
 }
 
 /* Peak memory bandwidth per SM per SM clock (bytes) of device dev, 0 when unknown: about 12.8 on an
- * H100 SXM (3.35 TB/s), 18 on an H200 (4.8 TB/s), both 132 SMs at 1.98 GHz. */
+ * H100 SXM (3.35 TB/s), 18 on an H200 (4.8 TB/s), both 132 SMs at 1.98 GHz. Asked once per device
+ * (an unknown answer is cached too, as -1: a backward must not query the runtime every call). */
 double mem_bytes_per_sm_clock(int dev) {
     static double cached[kMaxDevices];
-    if (dev < kMaxDevices && cached[dev] > 0) return cached[dev];
+    if (dev < kMaxDevices && cached[dev] != 0) return cached[dev] > 0 ? cached[dev] : 0.0;
     int mem_khz = 0, bus_bits = 0, sm_khz = 0;
     const int sms = sm_count(dev);
-    if (sms <= 0) return 0.0;
+    double v = -1.0;
     if (cudaDeviceGetAttribute(&mem_khz, cudaDevAttrMemoryClockRate, dev) != cudaSuccess ||
         cudaDeviceGetAttribute(&bus_bits, cudaDevAttrGlobalMemoryBusWidth, dev) != cudaSuccess ||
-        cudaDeviceGetAttribute(&sm_khz, cudaDevAttrClockRate, dev) != cudaSuccess) {
+        cudaDeviceGetAttribute(&sm_khz, cudaDevAttrClockRate, dev) != cudaSuccess)
         cudaGetLastError(); /* a refused attribute is not sticky: clear it so no later check reports it */
-        return 0.0;
-    }
-    if (mem_khz <= 0 || bus_bits <= 0 || sm_khz <= 0) return 0.0;
-    const double v = 2.0 * mem_khz * (bus_bits / 8) / ((double)sms * sm_khz); /* double data rate */
+    else if (sms > 0 && mem_khz > 0 && bus_bits > 0 && sm_khz > 0)
+        v = 2.0 * mem_khz * (bus_bits / 8) / ((double)sms * sm_khz); /* double data rate */
     if (dev < kMaxDevices) cached[dev] = v;
-    return v;
+    return v > 0 ? v : 0.0;
 }
 
 /* Whether the deterministic pair (dK/dV kernel + dQ kernel, 7 MMAs per tile against 5) is faster
