@@ -10,15 +10,15 @@
 #   3. the seed that gave dv NaN, three times; the D = 64 deterministic tests, twice (where they
 #      fail, benchmarks/diag_bwd_flaky.py: which rows, heads and tiles of dq go wrong, and
 #      racecheck on the D = 64 dQ kernel);
-#   4. the sink's cost on causal 8k documents (benchmarks/diag_sink_cost.py, sink_cost.json);
-#   5. memcheck on the window-513 and D = 64 deterministic tests (memcheck_repro.txt);
-#   with AB=1, the waits' cost first: gpu_run.sh's ab stage, .baseline against this tree on window
-#   513 (ab_attn.json; AB_ARGS to change the cases).
+#   4. memcheck on the window-513 and D = 64 deterministic tests (memcheck_repro.txt);
+#   5. with AB=1, the waits' cost: gpu_run.sh's ab stage, .baseline against this tree on window 513
+#      (ab_attn.json; AB_ARGS to change the cases);
+#   6. the sink's cost on causal 8k documents (benchmarks/diag_sink_cost.py, sink_cost.json).
+# The most wanted results come first: a call cut short by its time limit keeps them.
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 STAGES="build test"; [ -d .baseline ] && STAGES="build baseline test"
-[ "${AB:-0}" = 1 ] && [ -d .baseline ] && STAGES="$STAGES ab" && export AB_ARGS=${AB_ARGS:-"--cases flint-2k-w513,flint-8k-w513 --rounds 4"}
 OUT=$OUT NCP_COMMIT=${NCP_COMMIT:-x} bash benchmarks/gpu_run.sh $STAGES > /dev/null 2>&1; cat $OUT/summary.txt
 grep -E "^FAILED" $OUT/pytest.log | head -30
 P="python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_sink_attention_cuda.py"
@@ -42,8 +42,12 @@ mkdir -p build && nvcc -shared -Xcompiler -fPIC -o build/probe_stale_smem.so ben
       echo "racecheck (dQ kernel, D = 64): exit $?; $(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY' $OUT/racecheck_dq.txt | tail -1)";;
     esac
   done
-  echo "== sink cost"; timeout 90 python3 benchmarks/diag_sink_cost.py --json $OUT/sink_cost.json 2>&1 | tail -6
 } 2>&1 | tee $OUT/repro.txt
 NCP_TEST_SEED=802486495 timeout 120 compute-sanitizer --tool memcheck --kernel-regex kns=ncp --error-exitcode 99 \
   $P -k "auto-equal:513-T2100-8x2-d128-w513 or (d64 and det and matches_oracle and grid7)" > $OUT/memcheck_repro.txt 2>&1
 echo "memcheck: exit $?; $(grep -E 'ERROR SUMMARY' $OUT/memcheck_repro.txt | tail -1); $(grep -E 'passed|failed' $OUT/memcheck_repro.txt | tail -1)"
+if [ "${AB:-0}" = 1 ] && [ -d .baseline ]; then
+  AB_ARGS=${AB_ARGS:-"--cases flint-2k-w513,flint-8k-w513 --rounds 4"} OUT=$OUT NCP_COMMIT=${NCP_COMMIT:-x} \
+    bash benchmarks/gpu_run.sh ab > /dev/null 2>&1; tail -25 $OUT/summary.txt
+fi
+echo "== sink cost"; timeout 90 python3 benchmarks/diag_sink_cost.py --json $OUT/sink_cost.json 2>&1 | tail -6 | tee -a $OUT/repro.txt
