@@ -6,7 +6,12 @@ in fp32 math: same code path as the sink, nearly the data of no sink) and a sink
 row's weight on the sink: P small). If "sink -30" times like "no sink", the cost follows the data
 (the values the MMAs see), not the code path. Needs a GPU and an sm_90a build.
 
-    python benchmarks/diag_sink_cost.py [--case 65536,8192] [--rounds 9] [--json PATH]
+    python benchmarks/diag_sink_cost.py [--case 65536,8192] [--rounds 9] [--json PATH] [--profile]
+
+--profile: instead, one torch.profiler trace of three forward+backward calls per variant (each
+between synchronizations): per variant the GPU span of a call (first kernel's start to last
+kernel's end), the kernels' summed time, the idle time between (span - busy), and each kernel's
+time, so a cost outside the kernels (the GPU waiting for the host) shows as idle time.
 """
 from __future__ import annotations
 
@@ -33,6 +38,8 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=0)
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--order", default="sink,no sink,sink -30", help="--profile: variants in this order")
     a = ap.parse_args()
     total, doc = (int(x) for x in a.case.split(","))
     g = torch.Generator().manual_seed(1234)
@@ -61,6 +68,8 @@ def main() -> None:
             torch.autograd.grad(out, grads, dout, retain_graph=True)
 
         fns[name] = (fwdbwd, bwd, grads)
+    if a.profile:
+        return profile(fns, a)
     times = {(n, w): [] for n in fns for w in ("fwd+bwd", "bwd")}
     for r in range(a.rounds + 1):
         for name in random.Random(r).sample(list(fns), len(fns)):
@@ -80,6 +89,47 @@ def main() -> None:
         rows.append(row)
         print(row, flush=True)
     write_json(a.json, {"env": env_record(), "case": a.case, "window": a.window, "rows": rows})
+
+
+def profile(fns, a) -> None:
+    """Per variant: GPU span, busy and idle time of a forward+backward call, and its kernels."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as tprofile
+
+    rows = []
+    for name in a.order.split(","):
+        fb, _, grads = fns[name]
+        for _ in range(3):  # warm
+            for t in grads:
+                t.grad = None
+            fb()
+        torch.cuda.synchronize()
+        calls = []
+        with tprofile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                for t in grads:
+                    t.grad = None
+                torch.cuda.synchronize()
+                fb()
+                torch.cuda.synchronize()
+        evs = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.elapsed_us() > 0),
+                     key=lambda e: e.time_range.start)
+        # split into calls: each starts with the forward kernel
+        for e in evs:
+            if "fwd" in e.name or not calls:
+                calls.append([])
+            calls[-1].append(e)
+        for i, c in enumerate(calls):
+            span = (max(e.time_range.end for e in c) - c[0].time_range.start) / 1e3
+            busy = sum(e.time_range.elapsed_us() for e in c) / 1e3
+            per = {}
+            for e in c:
+                per[e.name[:60]] = per.get(e.name[:60], 0.0) + e.time_range.elapsed_us() / 1e3
+            row = {"variant": name, "call": i, "span_ms": round(span, 3), "busy_ms": round(busy, 3),
+                   "idle_ms": round(span - busy, 3), "kernels_ms": {k: round(v, 3) for k, v in per.items()}}
+            rows.append(row)
+            print(row, flush=True)
+    write_json(a.json, {"env": env_record(), "case": a.case, "window": a.window, "profile": rows})
 
 
 if __name__ == "__main__":
