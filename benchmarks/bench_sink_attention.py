@@ -18,8 +18,9 @@ events, median):
 - ``queued`` (the ``*_queued`` keys; ``--method all``, ``both`` or ``queued``): a GPU spin is queued before
   each call and our op runs with ``validate=False``, so the host launches while the GPU is busy
   and the events time the GPU work alone, as in a training step that keeps the queue full.
-By default every implementation of a case is timed round robin (one call each per round, in an
-order drawn per round, ``round_order``; medians over rounds), after ``--heat`` seconds of work.
+By default every implementation of a case is timed round robin (one call each per round, in the
+orders of a balanced Latin square, ``round_order``, over whole squares; medians over rounds), after
+``--heat`` seconds of work.
 
     python benchmarks/bench_sink_attention.py [--quick] [--json out.json] [--cases a,b] [--no-flex]
         [--impls ncp,ncp-nosink,ncp-deterministic,flex+sink,sdpa] [--method all|both|do_bench|loop|queued]
@@ -155,17 +156,36 @@ def _sdpa(q, k, v, doc_len, dout) -> Impl:
     return Impl("sdpa(no sink)", fwd, fwdbwd, fwd, fwdbwd, note="no sink", leaves=(sq, sk, sv))
 
 
-def round_order(items: list, r: int) -> list:
-    """The order of round r: a permutation drawn from a generator seeded with r. A fixed cyclic order
-    (rotated each round) gives every row the same predecessor in every round, and the per-call
-    timing of a row depends on what ran before it (the host's caches after a compiled FlexAttention
-    call; the first row, ours, read 1-5% slower than the deterministic row with the same forward
-    at 95cdcb6 and 7b9b231); drawn orders give each row every predecessor."""
-    import random
+def design_rounds(n_items: int) -> int:
+    """Rounds of one full balanced design for ``n_items`` rows (``round_order``)."""
+    return n_items if n_items % 2 == 0 else 2 * n_items
 
-    out = list(items)
-    random.Random(r).shuffle(out)
-    return out
+
+def round_order(items: list, r: int) -> list:
+    """The order of round r: row r mod L of a balanced Latin square (Williams' design, L =
+    ``design_rounds``), so over any L consecutive rounds every row runs at every position, and
+    right after every other row, equally often. The per-call timing of a row depends on what ran
+    before it and when: the host's caches after a compiled FlexAttention call (the first row,
+    ours, read 1-5% slower than the deterministic row with the same forward at 95cdcb6 and
+    7b9b231), and the GPU's clock under its power limit after a heavy call (the same dK/dV kernel
+    drifted 19.97 -> 23.73 ms with call order in one process at ff1365a, docs/EXPERIMENTS.md). A
+    fixed cyclic order gives every row one predecessor for ever; orders drawn from seeded
+    generators (before 2026-12-06) gave each row the same uneven mix of positions and
+    predecessors in every run (on causal 8k documents the sink row followed SDPA in 4 of 10
+    rounds, the no-sink row the deterministic one in 5), so a bias repeated from run to run."""
+    n = len(items)
+    first, lo, hi = [0], 1, n - 1  # 0, 1, n - 1, 2, n - 2, ...: consecutive differences all distinct mod n
+    for k in range(1, n):
+        if k % 2:
+            first.append(lo)
+            lo += 1
+        else:
+            first.append(hi)
+            hi -= 1
+    rows = [[(j + i) % n for j in first] for i in range(n)]
+    if n % 2:  # odd n: the mirrored rows balance the predecessors
+        rows += [row[::-1] for row in rows]
+    return [items[j] for j in rows[r % len(rows)]]
 
 
 def _time(impls: list[Impl], methods, reps: int, heat: float, interleave: bool) -> dict:
@@ -185,13 +205,15 @@ def _time(impls: list[Impl], methods, reps: int, heat: float, interleave: bool) 
         with _env(impls[0].env):
             _heat(heat, fns[impls[0].name][1])
         times = {(i.name, w): [] for i in impls for w in (0, 1)}
+        whole = design_rounds(len(impls))  # counted rounds: whole designs
         for which, n in ((0, reps), (1, max(3, reps // 2))):
-            for r in range(n + 2):  # 2 warm-up rounds
+            n = -(-n // whole) * whole
+            for r in range(-2, n):  # 2 warm-up rounds
                 for i in round_order(impls, r):
                     with _env(i.env):
                         ms = bl.time_gpu(fns[i.name][which], reps=LOOP_REPS if loop else 1, warmup=1 if loop else 0,
                                          queued=queued, loop=loop, grad_to_none=i.leaves)  # fmt: skip
-                    if r >= 2:
+                    if r >= 0:
                         times[i.name, which].append(ms)
         for i in impls:
             out[i.name, method] = (statistics.median(times[i.name, 0]), statistics.median(times[i.name, 1]))
@@ -238,7 +260,8 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="tiny shapes (smoke)")
     ap.add_argument("--cases", default="", help="comma list of case names (default: all)")
     ap.add_argument("--no-flex", action="store_true")
-    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--reps", type=int, default=20,
+                    help="forward rounds (forward+backward: half, at least 3), rounded up to whole designs")
     ap.add_argument("--heat", type=float, default=1.0, help="seconds of fwd+bwd before timing")
     ap.add_argument("--impls", default="", help="comma list of rows (default: all; sdpa for sdpa(no sink))")
     ap.add_argument("--method", choices=tuple(METHODS), default="all")
@@ -269,7 +292,8 @@ def main(argv=None):
         cases = {k: v for k, v in {**CASES, **QUICK}.items() if k in chosen} | extra
     only = frozenset(args.impls.split(",")) | {n for n, _ in variants} if args.impls else frozenset()
     methods = METHODS[args.method]
-    env = {**env_record(), "methods": list(methods), "reps": args.reps, "interleave": not args.no_interleave}
+    env = {**env_record(), "methods": list(methods), "reps": args.reps, "interleave": not args.no_interleave,
+           "round_order": "balanced Latin square"}
     rows, cols = [], ["case", "impl"] + [f"{w}_tflops{SUFFIX[m]}" for m in methods for w in ("fwd", "fwdbwd")]
     for name, spec in cases.items():
         new = bench_case(name, spec, flex=not args.no_flex, reps=args.reps, heat=args.heat, only=only,
