@@ -1,12 +1,12 @@
 """Where the sink's cost on causal 8k documents comes from (issue 18: the sink costs +3.7% forward+
-backward there at bcdf39e, in two runs, and <= 1% on every other case). Times, interleaved in drawn
-orders, forward+backward and the backward alone of one case with: the benchmark's sink (grad on),
+backward there at bcdf39e, in two runs, and <= 1% on every other case). Times, interleaved in the
+orders of a balanced Latin square (bench_sink_attention.round_order, whole squares), forward+backward and the backward alone of one case with: the benchmark's sink (grad on),
 no sink, the same sink without a gradient (no dsink), a sink of -30 (its weight exp(-30 - lse) is 0
 in fp32 math: same code path as the sink, nearly the data of no sink) and a sink of +8 (most of each
 row's weight on the sink: P small). If "sink -30" times like "no sink", the cost follows the data
 (the values the MMAs see), not the code path. Needs a GPU and an sm_90a build.
 
-    python benchmarks/diag_sink_cost.py [--case 65536,8192] [--rounds 9] [--json PATH] [--profile]
+    python benchmarks/diag_sink_cost.py [--case 65536,8192] [--rounds 10] [--json PATH] [--profile]
 
 --profile: instead, one torch.profiler trace of three forward+backward calls per variant (each
 between synchronizations): per variant the GPU span of a call (first kernel's start to last
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import statistics
 import sys
 
@@ -29,6 +28,7 @@ from nemo_cp_native import baselines as bl  # noqa: E402
 from nemo_cp_native.testing import doc_lengths, make_attention_case  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_sink_attention import design_rounds, round_order  # noqa: E402
 from common import env_record, write_json  # noqa: E402
 
 
@@ -36,7 +36,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--case", default="65536,8192", help="TOKENS,DOC (32/4 heads, D = 128, causal)")
     ap.add_argument("--window", type=int, default=0)
-    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--rounds", type=int, default=10, help="counted rounds, rounded up to whole designs")
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--order", default="sink,no sink,sink -30", help="--profile: variants in this order")
@@ -71,12 +71,13 @@ def main() -> None:
     if a.profile:
         return profile(fns, a)
     times = {(n, w): [] for n in fns for w in ("fwd+bwd", "bwd")}
-    for r in range(a.rounds + 1):
-        for name in random.Random(r).sample(list(fns), len(fns)):
+    whole = design_rounds(len(fns))
+    for r in range(-1, -(-a.rounds // whole) * whole):  # one warm-up round
+        for name in round_order(list(fns), r):
             fb, b, grads = fns[name]
             for w, fn in (("fwd+bwd", fb), ("bwd", b)):
                 ms = bl.time_gpu(fn, reps=3, warmup=1, grad_to_none=grads)
-                if r:
+                if r >= 0:
                     times[name, w].append(ms)
     rows = []
     base = {w: statistics.median(times["no sink", w]) for w in ("fwd+bwd", "bwd")}
