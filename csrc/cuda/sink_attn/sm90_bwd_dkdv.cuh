@@ -311,15 +311,24 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
                 }
             }
             release(it);
-            reduce_dq(dq, it, sStw, cb, dq_accum);
+            reduce_dq<false>(dq, it, sStw, cb, dq_accum);
         }
         if (leader) sm90::bulk_wait_read<0>(); /* shared memory must outlive the last reads */
     }
 
-    /* This warpgroup's 64 x 64 dQ share of item it: staged in fragment order, then added into the
-     * fp32 workspace by one bulk reduction of the leader thread (which has waited for the staging
-     * tile's previous reads behind a barrier that the warpgroup passed since). */
+    /* This warpgroup's 64 x 64 dQ share of item it, staged in fragment order and added into the fp32
+     * workspace by bulk reductions. WARP: each warp stages its 16 rows (4 KiB, contiguous in
+     * fragment order) and its lane 0 adds them, after waiting for that warp's previous reduction
+     * to have read them: no barrier of the warpgroup (the causal and table kernel, whose deferred
+     * loop it speeds up; the skipping kernels measured slower with it, docs/EXPERIMENTS.md).
+     * Else one reduction of the leader thread, which has waited for the staging tile's previous
+     * reads behind a barrier that the warpgroup passed since. */
+    template <bool WARP>
     __device__ __forceinline__ void reduce_dq(const float *dq, int it, uint32_t sStw, int cb, float *dq_accum) const {
+        if (WARP) {
+            if (lane == 0) sm90::bulk_wait_read<0>();
+            __syncwarp();
+        }
 #pragma unroll
         for (int j = 0; j < 8; ++j)
 #pragma unroll
@@ -327,11 +336,13 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
                 asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(sStw + 8 * dq_frag_pos(warp, j, r, lane)),
                              "f"(dq[4 * j + 2 * r]), "f"(dq[4 * j + 2 * r + 1]));
         sm90::fence_proxy_async_smem();
-        sm90::named_sync(1 + cw, 128);
-        if ((threadIdx.x & 127) == 0) {
+        if (WARP) __syncwarp();
+        else sm90::named_sync(1 + cw, 128);
+        if (WARP ? lane == 0 : (threadIdx.x & 127) == 0) {
             const int n_qt = (p.Tq + KQB - 1) / KQB, qt = w.q0(it) / KQB;
             float *dst = dq_accum + (((int64_t)w.head(it) * n_qt + qt) * (D / 64) + cb) * 4096;
-            sm90::bulk_reduce_add_f32(dst, sStw, 64 * 64 * 4);
+            if (WARP) sm90::bulk_reduce_add_f32(dst + warp * 1024, sStw + warp * 4096, 64 * 16 * 4);
+            else sm90::bulk_reduce_add_f32(dst, sStw, 64 * 64 * 4);
         }
     }
 
@@ -360,7 +371,7 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
         /* the last item's dQ */
         float dq[32];
         const bool leader = (threadIdx.x & 127) == 0;
-        if (leader) sm90::bulk_wait_read<0>();
+        if (SKIP && leader) sm90::bulk_wait_read<0>();
         sm90::named_sync(kDsReady + 2 * (1 - cw) + ((n - 1) & 1), 256);
         sm90::fence_regs(dq, 32);
         sm90::wg_fence();
@@ -368,8 +379,8 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
         sm90::wg_commit();
         sm90::wg_wait<0>();
         sm90::fence_regs(dq, 32);
-        reduce_dq(dq, n - 1, sStw, cw, dq_accum);
-        if (leader) sm90::bulk_wait_read<0>(); /* shared memory must outlive the last reads */
+        reduce_dq<!SKIP>(dq, n - 1, sStw, cw, dq_accum);
+        if (SKIP ? leader : lane == 0) sm90::bulk_wait_read<0>(); /* shared memory must outlive the last reads */
     }
     /* Item it of run_adq_deferred: its S^T, dP^T, dV and dK, and the dQ of item it - 1 (FIRST: none).
      * f: the item's flags (SKIP: wait_item, asked for during the previous item's MMAs); returns the
@@ -405,7 +416,7 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
         sm90::fence_proxy_async_smem(); /* the dS^T stores (or zeros), before wgmma reads them */
         sm90::named_arrive(kDsReady + 2 * cw + (it & 1), 256);
         if (!FIRST) {
-            if ((threadIdx.x & 127) == 0) sm90::bulk_wait_read<0>(); /* staging free once the next barrier passes */
+            if (SKIP && (threadIdx.x & 127) == 0) sm90::bulk_wait_read<0>(); /* staging free once the next barrier passes */
             sm90::named_sync(kDsReady + 2 * other + ((it - 1) & 1), 256);
         }
         issue_dk(sm90::desc_lo(sDS + 64 * cw * 128, sm90::kLboKMajor), sm90::desc_lo(sQ(s), KQB * 128), dq);
@@ -420,7 +431,7 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
         release(it);
         if (!FIRST) {
             if (it - 1 <= n - 3) sm90::named_arrive(kDqDone + 2 * cw + ((it - 1) & 1), 256);
-            reduce_dq(dq, it - 1, sStw, cw, dq_accum);
+            reduce_dq<!SKIP>(dq, it - 1, sStw, cw, dq_accum);
         }
         return fn;
     }
