@@ -21,7 +21,9 @@
 # the main build, and ab times both builds round robin with benchmarks/ab_attention.py, AB_ARGS;
 # neither is part of all). Test, sanitizer,
 # attention and demo stages run under `timeout` (TEST_TIMEOUT, SAN_TIMEOUT, ATTN_TIMEOUT, DEMO_TIMEOUT seconds). Each stage appends its
-# headline to summary.txt; a failing stage is reported and the next one still runs.
+# headline to summary.txt; a failing stage is reported and the next one still runs. racecheck shows every
+# hazard (SAN_MAX_HAZARDS, default 100000; the tool's own default shows 100) and summary.txt gets each
+# source line that takes part in one, with its count.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/ncp_gpu_out}
@@ -73,9 +75,16 @@ fi
 if want sanitize; then
   : > "$OUT/sanitizer.log"
   for tool in ${SAN_TOOLS:-memcheck racecheck synccheck initcheck}; do
-    timeout ${SAN_TIMEOUT:-300} compute-sanitizer --tool $tool --kernel-regex kns=ncp --error-exitcode 99 $PY benchmarks/sanitize_kernels.py ${SAN_PARTS:-} \
+    start=$(wc -l < "$OUT/sanitizer.log")
+    # racecheck displays its first 100 hazards unless told otherwise: show them all (SAN_MAX_HAZARDS)
+    NV_COMPUTE_SANITIZER_MAX_RACECHECK_HAZARDS=${SAN_MAX_HAZARDS:-100000} \
+      timeout ${SAN_TIMEOUT:-300} compute-sanitizer --tool $tool --kernel-regex kns=ncp --error-exitcode 99 $PY benchmarks/sanitize_kernels.py ${SAN_PARTS:-} \
       >> "$OUT/sanitizer.log" 2>&1
     note "compute-sanitizer $tool: exit $? ($(grep -c 'ERROR SUMMARY: 0 errors' "$OUT/sanitizer.log") clean summaries so far)"
+    if [ "$tool" = racecheck ]; then  # each source line that takes part in a hazard, with its count
+      tail -n +$((start + 1)) "$OUT/sanitizer.log" | grep -E 'Race reported|and (Read|Write) access' \
+        | grep -oE 'in [A-Za-z0-9_]+\.cuh?:[0-9]+' | sort | uniq -c | sort -rn | tee -a "$SUM"
+    fi
     if [ "$tool" = memcheck ]; then  # the THD/MiMo/attention kernels on malformed inputs (issue 17)
       timeout ${SAN_TIMEOUT:-300} compute-sanitizer --tool memcheck --kernel-regex kns=ncp --error-exitcode 99 \
         $PY tests/gpu_malformed_inputs.py >> "$OUT/sanitizer.log" 2>&1
