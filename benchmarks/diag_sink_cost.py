@@ -1,9 +1,10 @@
 """Where the sink's cost on causal 8k documents comes from (issue 18: the sink costs +3.7% forward+
 backward there at bcdf39e, in two runs, and <= 1% on every other case). Times, interleaved in the
-orders of a balanced Latin square (bench_sink_attention.round_order, whole squares), forward+backward and the backward alone of one case with: the benchmark's sink (grad on),
-no sink, the same sink without a gradient (no dsink), a sink of -30 (its weight exp(-30 - lse) is 0
-in fp32 math: same code path as the sink, nearly the data of no sink) and a sink of +8 (most of each
-row's weight on the sink: P small). If "sink -30" times like "no sink", the cost follows the data
+orders of a balanced Latin square (bench_sink_attention.round_order, whole squares), forward+backward
+and the backward alone of one case with: the benchmark's sink (grad on), no sink, the same sink
+without a gradient (no dsink), a sink of -30 (its weight exp(-30 - lse) is 0 in fp32 math: same
+code path as the sink, nearly the data of no sink) and a sink of +8 (most of each row's weight on
+the sink: P small). If "sink -30" times like "no sink", the cost follows the data
 (the values the MMAs see), not the code path. Needs a GPU and an sm_90a build.
 
     python benchmarks/diag_sink_cost.py [--case 65536,8192] [--rounds 10] [--json PATH] [--profile]
@@ -100,20 +101,22 @@ def profile(fns, a) -> None:
     rows = []
     for name in a.order.split(","):
         fb, _, grads = fns[name]
-        for _ in range(3):  # warm
+
+        def call(fb=fb, grads=grads):
             for t in grads:
                 t.grad = None
+            torch.cuda.synchronize()
             fb()
-        torch.cuda.synchronize()
+            torch.cuda.synchronize()
+
+        for _ in range(3):  # warm
+            call()
         calls = []
         with tprofile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(3):
-                for t in grads:
-                    t.grad = None
-                torch.cuda.synchronize()
-                fb()
-                torch.cuda.synchronize()
-        evs = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.elapsed_us() > 0),
+                call()
+        cuda = torch.autograd.DeviceType.CUDA
+        evs = sorted((e for e in prof.events() if e.device_type == cuda and e.time_range.elapsed_us() > 0),
                      key=lambda e: e.time_range.start)
         # split into calls: each starts with the forward kernel
         for e in evs:
