@@ -101,9 +101,9 @@ int32_t tiles_of(int32_t rows, int tile) { return rows <= 0 ? 0 : (int32_t)(((in
 
 /* Byte offsets of the backward workspace's parts (each 256-byte aligned) and its total: Delta,
  * dsink partials, the Hopper grids' tile work and orders (dK/dV always, dQ when deterministic),
- * the atomic-dQ accumulator. */
+ * the atomic-dQ accumulator and, with D = 128, its tiles' claim flags. */
 struct ws_layout {
-    int64_t delta, part, kv, q, acc, total;
+    int64_t delta, part, kv, q, acc, flag, total;
     int32_t n_part, n_kv, n_q;
 };
 ws_layout layout_of(int32_t Tq, int32_t Tk, int32_t Hq, int32_t D, bool has_sink, const choice &c) {
@@ -117,7 +117,8 @@ ws_layout layout_of(int32_t Tq, int32_t Tk, int32_t Hq, int32_t D, bool has_sink
     w.kv = w.part + (has_sink ? up((int64_t)Hq * w.n_part * 4) : 0);
     w.q = w.kv + up((int64_t)w.n_kv * 8);
     w.acc = w.q + up((int64_t)w.n_q * 8);
-    w.total = w.acc + (c.atomic_dq ? (int64_t)Hq * ((Tq + 63) / 64) * 64 * D * 4 : 0);
+    w.flag = w.acc + (c.atomic_dq ? (int64_t)Hq * ((Tq + 63) / 64) * 64 * D * 4 : 0);
+    w.total = w.flag + (c.atomic_dq && D == 128 ? up((int64_t)Hq * ((Tq + 63) / 64) * (D / 64) * 4) : 0);
     return w;
 }
 
@@ -196,6 +197,7 @@ extern "C" ncp_status ncp_sink_attn_bwd_cuda(const ncp_sink_attn_bwd_params *b, 
     ws.dsink_part = p.sink != nullptr ? reinterpret_cast<float *>(base + w.part) : nullptr;
     ws.n_part = w.n_part;
     ws.dq_accum = c.atomic_dq && p.Tq > 0 ? reinterpret_cast<float *>(base + w.acc) : nullptr;
+    ws.dq_flag = ws.dq_accum != nullptr && p.D == 128 ? reinterpret_cast<int32_t *>(base + w.flag) : nullptr;
     ws.kv = ncp::carve_order(base, w.kv, w.n_kv, p.Hkv, c.cfg);
     ws.q = ncp::carve_order(base, w.q, w.n_q, p.Hq, c.cfg);
     cudaStream_t s = (cudaStream_t)stream;

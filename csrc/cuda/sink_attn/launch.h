@@ -53,6 +53,8 @@ struct bwd_workspace {
     float *dsink_part; /* (Hq, n_part) dsink partial sums, or NULL without a sink */
     int32_t n_part;
     float *dq_accum;   /* atomic-dQ Hopper backward: (Hq, ceil(Tq / 64), D / 64, 64 x 64) fp32, else NULL */
+    int32_t *dq_flag;  /* with D = 128: (Hq, ceil(Tq / 64), D / 64) claims of dq_accum's tiles (sm90_bwd_parts.cuh,
+                        * write_dq), zeroed by the pre-pass in place of the accumulator; else NULL */
     tile_order kv;     /* Hopper dK/dV grid (key tiles) */
     tile_order q;      /* Hopper deterministic dQ grid (query tiles) */
 };

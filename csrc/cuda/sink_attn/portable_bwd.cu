@@ -67,10 +67,16 @@ __global__ void __launch_bounds__(kPreThreads) bwd_pre_kernel(const ncp_sink_att
         return;
     }
     const int h = blockIdx.y, r0 = blockIdx.x * kRows, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    if (ws.dq_accum != nullptr) { /* the atomic-dQ accumulator's 64-row tiles of these rows: zeroed here (no memset) */
+    if (ws.dq_accum != nullptr) { /* the atomic-dQ accumulator's 64-row tiles of these rows: zeroed here (no
+                                   * memset), or with D = 128 their claim flags (the first adder stores) */
         const int n_qt = (p.Tq + 63) / 64, t0 = blockIdx.x * (kRows / 64), nt = min(kRows / 64, n_qt - t0);
-        float4 *acc = reinterpret_cast<float4 *>(ws.dq_accum + ((int64_t)h * n_qt + t0) * 64 * D);
-        for (int i = threadIdx.x; i < nt * 64 * D / 4; i += kPreThreads) acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (ws.dq_flag != nullptr) {
+            int32_t *flag = ws.dq_flag + ((int64_t)h * n_qt + t0) * (D / 64);
+            for (int i = threadIdx.x; i < nt * (D / 64); i += kPreThreads) flag[i] = 0;
+        } else {
+            float4 *acc = reinterpret_cast<float4 *>(ws.dq_accum + ((int64_t)h * n_qt + t0) * 64 * D);
+            for (int i = threadIdx.x; i < nt * 64 * D / 4; i += kPreThreads) acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+        }
     }
     const bool has_sink = p.sink != nullptr;
     const float sink = has_sink ? __ldg(reinterpret_cast<const float *>(p.sink) + h) : 0.f;

@@ -53,6 +53,14 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int wg = threadIdx.x / 128;
     if (wg == 0) {
         Split::producer(); /* 24 registers; warp 1's key bounds (documents: a binary search) fit */
+        if constexpr (ADQ && D == 128) { /* warps 2 and 3: the dQ writers of consumer warpgroups 0 and 1 */
+            const int pw = threadIdx.x >> 5;
+            if (pw >= 2) {
+                if ((threadIdx.x & 31) == 0)
+                    write_dq(w, bar, pw - 2, base + L::stage_off + (pw - 2) * 64 * 64 * 4, p.Tq, ws.dq_accum, ws.dq_flag);
+                return;
+            }
+        }
         produce_dkdv<D>(w, bar, base, base + L::s1_off, base + L::a_off, base + L::b_off, s_l2, s_dl, s_kb, mask, p,
                         ws.delta, &tm_k, &tm_v, &tm_q, &tm_do);
         return;
@@ -60,12 +68,12 @@ __global__ void __launch_bounds__(kThreads, 1)
     Split::consumer();
     DkdvConsumer<T, D, ADQ> c(p, w, bar, base, s_l2, s_dl, s_kb, sm90::warp_uniform(wg - 1));
     sm90::mbar_wait(bar.stat(), 0);
-    if constexpr (ADQ && D == 128 && !SKIP) c.template run_adq_deferred<false>(ws.dq_accum);
+    if constexpr (ADQ && D == 128 && !SKIP) c.template run_adq_deferred<false>();
     else if constexpr (ADQ && D == 128) {
         /* Skipping: a warpgroup skips the first and last q tile of the key tile's run per head
          * (under a window; 2 in n_q items). The deferred loop skips only the softmax (its dV, dK and
          * full-width dQ MMAs run on zeros), so it pays where skips are rare (docs/EXPERIMENTS.md). */
-        if (w.n_q >= kDeferredMinQTiles) c.template run_adq_deferred<true>(ws.dq_accum);
+        if (w.n_q >= kDeferredMinQTiles) c.template run_adq_deferred<true>();
         else c.template run_adq<true>(ws.dq_accum);
     } else if constexpr (ADQ) c.template run_adq<SKIP>(ws.dq_accum);
     else c.template run_det<SKIP>();
@@ -177,10 +185,11 @@ __global__ void __launch_bounds__(kThreads, 1)
 }
 
 /* dq[t, h, :] = scale * dq_accum in T; 8 columns per thread; dq_accum in 64 x 64 tiles
- * (h, t / 64, d / 64) in fragment order (dq_frag_pos). */
+ * (h, t / 64, d / 64) in fragment order (dq_frag_pos). With claim flags (D = 128), a tile nobody
+ * claimed (no key tile added into it: rows that see no key) holds no value: its dq is zero. */
 template <typename T, int D>
-__global__ void __launch_bounds__(256) dq_convert_kernel(const float *__restrict__ acc, T *dq, int64_t st, int64_t sh,
-                                                         int Tq, int Hq, float scale) {
+__global__ void __launch_bounds__(256) dq_convert_kernel(const float *__restrict__ acc, const int32_t *__restrict__ flag,
+                                                         T *dq, int64_t st, int64_t sh, int Tq, int Hq, float scale) {
     const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, n = (int64_t)Hq * Tq * (D / 8);
     if (i >= n) return;
     const int c = (int)(i % (D / 8)) * 8;
@@ -189,9 +198,13 @@ __global__ void __launch_bounds__(256) dq_convert_kernel(const float *__restrict
     const int n_qt = (Tq + 63) / 64, row = t % 64, rr = row % 16;
     const int64_t tile = ((int64_t)h * n_qt + t / 64) * (D / 64) + c / 64;
     const float *src = acc + tile * 4096 + 2 * dq_frag_pos(row / 16, (c % 64) / 8, rr / 8, (rr % 8) * 4);
+    uint4 v = make_uint4(0u, 0u, 0u, 0u); /* +0.0 in both T */
+    if (flag != nullptr && __ldg(flag + tile) == 0) {
+        *reinterpret_cast<uint4 *>(dq + (int64_t)t * st + (int64_t)h * sh + c) = v;
+        return;
+    }
     const float4 a = *reinterpret_cast<const float4 *>(src);
     const float4 b = *reinterpret_cast<const float4 *>(src + 4);
-    uint4 v;
     v.x = elem<T>::pack(a.x * scale, a.y * scale);
     v.y = elem<T>::pack(a.z * scale, a.w * scale);
     v.z = elem<T>::pack(b.x * scale, b.y * scale);
@@ -258,8 +271,8 @@ ncp_status launch(const ncp_sink_attn_bwd_params &b, const bwd_workspace &ws, co
     if (ws.dq_accum != nullptr) {
         if (p.Tk > 0) NCP_TRY((launch_dkdv<T, D, true, Mask>(b, ws, cfg, s)));
         const int64_t n = (int64_t)p.Hq * p.Tq * (D / 8);
-        dq_convert_kernel<T, D><<<(unsigned)((n + 255) / 256), 256, 0, s>>>(ws.dq_accum, reinterpret_cast<T *>(b.dq),
-                                                                             b.dq_st, b.dq_sh, p.Tq, p.Hq, (float)p.scale);
+        dq_convert_kernel<T, D><<<(unsigned)((n + 255) / 256), 256, 0, s>>>(
+            ws.dq_accum, ws.dq_flag, reinterpret_cast<T *>(b.dq), b.dq_st, b.dq_sh, p.Tq, p.Hq, (float)p.scale);
         NCP_CUDA_CHECK(cudaGetLastError());
         return NCP_OK;
     }

@@ -10,12 +10,12 @@
  *   ADQ (default, not deterministic): dS^T also goes to shared memory; dK += dS^T Q and dQ = dS K
  *     read it from there, and each warpgroup adds its 64 x 64 dQ tile into the fp32 workspace with
  *     one bulk asynchronous reduction (5 MMAs per item; the order of the additions, so the last
- *     bits of dq, vary from run to run). With D = 128 and no skipping (causal, CP tables) an item's
+ *     bits of dq, vary from run to run); with D = 128 it stages the tile for a dQ writer warp of the
+ *     producer warpgroup (write_dq), which stores a tile's first share and adds the others, so the
+ *     accumulator needs no zeroing. With D = 128 and no skipping (causal, CP tables) an item's
  *     dQ MMA runs one item late (run_adq_deferred), so the warpgroups need not meet at one barrier
  *     per item and their softmaxes interleave with each other's MMAs (+2.7% to +3.1% causal
- *     forward+backward, docs/EXPERIMENTS.md), and each warp adds its own 16 dQ rows, with no
- *     barrier of its warpgroup (3-4% less causal backward time; the skipping kernels measured
- *     slower with it and keep the warpgroup's one reduction). The skipping D = 128 kernel takes
+ *     forward+backward, docs/EXPERIMENTS.md). The skipping D = 128 kernel takes
  *     the same loop in CTAs whose keys 8 or more q tiles see, skipping there only a skipped item's softmax
  *     (1.2% to 2.2% less backward time on window 513, 8k and 32k documents).
  *   deterministic: no atomics; dQ comes from the dQ kernel (7 MMAs per item in all).
@@ -245,7 +245,8 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
      * warpgroup adds its own 64 keys' share of all 64 columns. dS^T is double-buffered: a
      * warpgroup rewrites buffer it & 1 only after passing the barrier of item it - 1, which the
      * other reaches after its dQ MMA of item it - 2 is done. The staging tile of the bulk reduction
-     * is rewritten only after its leader thread waited for the previous reduction's reads. dq_accum
+     * is rewritten only after its leader thread waited for the previous reduction's reads (D = 64)
+     * or after the dQ writer warp read it (D = 128: dq_empty, hand_dq). dq_accum
      * is (Hq, ceil(Tq / 64), D / 64, 4096) in fragment order (dq_frag_pos). */
     template <bool SKIP> __device__ __forceinline__ void run_adq(float *dq_accum) {
         static_assert(SKIP || D == 64, "D = 128 without skipping runs run_adq_deferred");
@@ -271,7 +272,7 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
                 uint32_t pf[KQB / 16][4];
                 f = sdp<SKIP>(st, dpt, it, f);
                 ds_and_dv(st, dpt, pf, sDS, it, (f >> 1) & 1u);
-                if (leader) sm90::bulk_wait_read<0>(); /* staging free once this barrier passes */
+                if (D == 64 && leader) sm90::bulk_wait_read<0>(); /* staging free once this barrier passes */
                 if (D == 128) sm90::named_sync_unaligned(kDsBar, 256); /* also reached from the branch below */
                 else sm90::named_sync(1 + cw, 128);
                 const uint32_t la = sm90::desc_lo(sDS + 64 * cw * 128, sm90::kLboKMajor), lb = sm90::desc_lo(sQ(s), KQB * 128);
@@ -296,7 +297,6 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
                       * neither warpgroup reads them (bit 2 of the other's flags), and its dQ columns
                       * take the other warpgroup's keys alone, or are zero when no key is seen */
                 wait_b(it);
-                if (leader) sm90::bulk_wait_read<0>();
                 sm90::named_sync_unaligned(kDsBar, 256);
                 if (f & 4u) {
                     sm90::fence_regs(dq, 32);
@@ -313,24 +313,33 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
                 }
             }
             release(it);
-            reduce_dq<false>(dq, it, sStw, cb, dq_accum);
+            if constexpr (D == 128) hand_dq(dq, it, sStw);
+            else reduce_dq(dq, it, sStw, cb, dq_accum);
         }
-        if (leader) sm90::bulk_wait_read<0>(); /* shared memory must outlive the last reads */
+        if (D == 64 && leader) sm90::bulk_wait_read<0>(); /* shared memory must outlive the last reads */
     }
 
-    /* This warpgroup's 64 x 64 dQ share of item it, staged in fragment order and added into the fp32
-     * workspace by bulk reductions. WARP: each warp stages its 16 rows (4 KiB, contiguous in
-     * fragment order) and its lane 0 adds them, after waiting for that warp's previous reduction
-     * to have read them: no barrier of the warpgroup (the causal and table kernel, whose deferred
-     * loop it speeds up; the skipping kernels measured slower with it, docs/EXPERIMENTS.md).
-     * Else one reduction of the leader thread, which has waited for the staging tile's previous
-     * reads behind a barrier that the warpgroup passed since. */
-    template <bool WARP>
+    /* D = 64: this warpgroup's 64 x 64 dQ share of item it, staged in fragment order, then added into
+     * the fp32 workspace by one bulk reduction of the leader thread (which has waited for the staging
+     * tile's previous reads behind a barrier that the warpgroup passed since). */
     __device__ __forceinline__ void reduce_dq(const float *dq, int it, uint32_t sStw, int cb, float *dq_accum) const {
-        if (WARP) {
-            if (lane == 0) sm90::bulk_wait_read<0>();
-            __syncwarp();
+        stage_dq(dq, sStw);
+        sm90::named_sync(1 + cw, 128);
+        if ((threadIdx.x & 127) == 0) {
+            const int n_qt = (p.Tq + KQB - 1) / KQB, qt = w.q0(it) / KQB;
+            float *dst = dq_accum + (((int64_t)w.head(it) * n_qt + qt) * (D / 64) + cb) * 4096;
+            sm90::bulk_reduce_add_f32(dst, sStw, 64 * 64 * 4);
         }
+    }
+    /* D = 128: this warpgroup's share of item it, staged for its dQ writer warp (write_dq) once the
+     * writer has read the share of item it - 1; each warp arrives when its 16 rows are stored. */
+    __device__ __forceinline__ void hand_dq(const float *dq, int it, uint32_t sStw) const {
+        if (it > 0) sm90::mbar_wait(bar.dq_empty(cw), (uint32_t)((it - 1) & 1));
+        stage_dq(dq, sStw);
+        sm90::warp_arrive(bar.dq_full(cw));
+    }
+    /* The 64 x 64 fp32 tile in fragment order at sStw, fenced for the async proxy's reads. */
+    __device__ __forceinline__ void stage_dq(const float *dq, uint32_t sStw) const {
 #pragma unroll
         for (int j = 0; j < 8; ++j)
 #pragma unroll
@@ -338,14 +347,6 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
                 asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(sStw + 8 * dq_frag_pos(warp, j, r, lane)),
                              "f"(dq[4 * j + 2 * r]), "f"(dq[4 * j + 2 * r + 1]));
         sm90::fence_proxy_async_smem();
-        if (WARP) __syncwarp();
-        else sm90::named_sync(1 + cw, 128);
-        if (WARP ? lane == 0 : (threadIdx.x & 127) == 0) {
-            const int n_qt = (p.Tq + KQB - 1) / KQB, qt = w.q0(it) / KQB;
-            float *dst = dq_accum + (((int64_t)w.head(it) * n_qt + qt) * (D / 64) + cb) * 4096;
-            if (WARP) sm90::bulk_reduce_add_f32(dst + warp * 1024, sStw + warp * 4096, 64 * 16 * 4);
-            else sm90::bulk_reduce_add_f32(dst, sStw, 64 * 64 * 4);
-        }
     }
 
     /* Atomic dQ, D = 128, no skipping (causal and table masks): the dQ MMA of item it runs one item
@@ -360,20 +361,17 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
      * Each barrier instance gets its arrival before the next one on the same id can be made, so
      * the counts never mix: c arrives on ready(c, i + 2) only after syncing done(1 - c, i), which
      * the other arrives on after syncing ready(c, i). */
-    template <bool SKIP> __device__ __forceinline__ void run_adq_deferred(float *dq_accum) {
+    template <bool SKIP> __device__ __forceinline__ void run_adq_deferred() {
         static_assert(D == 128, "the D = 64 kernels compute each warpgroup's dQ from its own keys");
         const uint32_t sStw = base + L::stage_off + cw * 64 * 64 * 4;
         const int n = w.n_it;
         if (n == 0) return;
         uint32_t f = SKIP ? wait_item(0) : 1u;
-        f = deferred_item<true, SKIP>(0, f, sStw, dq_accum); /* item 0 has no dQ of an earlier item:
-                                                              * peeled, so no MMA is issued under a
-                                                              * run-time branch (C7512) */
-        for (int it = 1; it < n; ++it) f = deferred_item<false, SKIP>(it, f, sStw, dq_accum);
+        f = deferred_item<true, SKIP>(0, f, sStw); /* item 0 has no dQ of an earlier item: peeled, so
+                                                    * no MMA is issued under a run-time branch (C7512) */
+        for (int it = 1; it < n; ++it) f = deferred_item<false, SKIP>(it, f, sStw);
         /* the last item's dQ */
         float dq[32];
-        const bool leader = (threadIdx.x & 127) == 0;
-        if (SKIP && leader) sm90::bulk_wait_read<0>();
         sm90::named_sync(kDsReady + 2 * (1 - cw) + ((n - 1) & 1), 256);
         sm90::fence_regs(dq, 32);
         sm90::wg_fence();
@@ -381,8 +379,7 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
         sm90::wg_commit();
         sm90::wg_wait<0>();
         sm90::fence_regs(dq, 32);
-        reduce_dq<!SKIP>(dq, n - 1, sStw, cw, dq_accum);
-        if (SKIP ? leader : lane == 0) sm90::bulk_wait_read<0>(); /* shared memory must outlive the last reads */
+        hand_dq(dq, n - 1, sStw);
     }
     /* Item it of run_adq_deferred: its S^T, dP^T, dV and dK, and the dQ of item it - 1 (FIRST: none).
      * f: the item's flags (SKIP: wait_item, asked for during the previous item's MMAs); returns the
@@ -390,7 +387,7 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
      * dP^T nor softmax, and stores zeros as its dS^T rows and P^T fragments, so every dQ MMA keeps
      * all 128 keys and the hand-offs stay the same (its dV and dK MMAs add those zeros). */
     template <bool FIRST, bool SKIP>
-    __device__ __forceinline__ uint32_t deferred_item(int it, uint32_t f, uint32_t sStw, float *dq_accum) {
+    __device__ __forceinline__ uint32_t deferred_item(int it, uint32_t f, uint32_t sStw) {
         const int other = 1 - cw, n = w.n_it, s = Ring::slot(it);
         const uint32_t sDS = sDs(it);
         float dq[32];
@@ -418,7 +415,6 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
         sm90::fence_proxy_async_smem(); /* the dS^T stores (or zeros), before wgmma reads them */
         sm90::named_arrive(kDsReady + 2 * cw + (it & 1), 256);
         if (!FIRST) {
-            if (SKIP && (threadIdx.x & 127) == 0) sm90::bulk_wait_read<0>(); /* staging free once the next barrier passes */
             sm90::named_sync(kDsReady + 2 * other + ((it - 1) & 1), 256);
         }
         issue_dk(sm90::desc_lo(sDS + 64 * cw * 128, sm90::kLboKMajor), sm90::desc_lo(sQ(s), KQB * 128), dq);
@@ -433,7 +429,7 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
         release(it);
         if (!FIRST) {
             if (it - 1 <= n - 3) sm90::named_arrive(kDqDone + 2 * cw + ((it - 1) & 1), 256);
-            reduce_dq<!SKIP>(dq, it - 1, sStw, cw, dq_accum);
+            hand_dq(dq, it - 1, sStw);
         }
         return fn;
     }

@@ -60,13 +60,17 @@ template <int D, int SR, int TR, bool DS = false> struct Layout {
 
 #ifdef NCP_SM90_DEVICE
 /* stat_full, then per stage a_full (stream tile a, plus lse/Delta in the dK/dV kernel), b_full
- * (stream tile b) and empty (one arrival per consumer warp). */
+ * (stream tile b) and empty (one arrival per consumer warp); then, for the dQ writer warps of the
+ * D = 128 atomic-dQ dK/dV kernel (write_dq), per consumer warpgroup c: dq_full(c) (one arrival per
+ * warp of c once its dQ tile is staged) and dq_empty(c) (the writer read it). */
 struct Bars {
     uint32_t base;
     __device__ __forceinline__ uint32_t stat() const { return base; }
     __device__ __forceinline__ uint32_t a(int s) const { return base + 8u * (1 + s); }
     __device__ __forceinline__ uint32_t b(int s) const { return base + 8u * (1 + kStages + s); }
     __device__ __forceinline__ uint32_t e(int s) const { return base + 8u * (1 + 2 * kStages + s); }
+    __device__ __forceinline__ uint32_t dq_full(int c) const { return base + 8u * (1 + 3 * kStages + c); }
+    __device__ __forceinline__ uint32_t dq_empty(int c) const { return base + 8u * (3 + 3 * kStages + c); }
     __device__ __forceinline__ void init(int a_arrivals) const {
         sm90::mbar_init(stat(), 1);
         for (int s = 0; s < kStages; ++s) {
@@ -74,9 +78,14 @@ struct Bars {
             sm90::mbar_init(b(s), 1);
             sm90::mbar_init(e(s), 8);
         }
+        for (int c = 0; c < 2; ++c) {
+            sm90::mbar_init(dq_full(c), 4);
+            sm90::mbar_init(dq_empty(c), 1);
+        }
         sm90::mbar_fence_init();
     }
 };
+static_assert(8 * (5 + 3 * kStages) <= 128, "the barriers fit the 128 bytes at Layout::bar_off");
 
 /* The (query head, q tile) items of a dK/dV CTA: the q tiles [qt_lo, qt_lo + n_q) that see a key
  * of [k0, k0 + KVB), for each of the G query heads of its kv head. */
@@ -150,6 +159,44 @@ __device__ __forceinline__ void produce_dkdv(const KvItems &w, const Bars &bar, 
             }
             sm90::warp_arrive(bar.a(s));
             if (it + 1 < w.n_it) load(it + 1);
+        }
+    }
+}
+
+/* dQ writer of the D = 128 atomic-dQ dK/dV kernel: one thread (lane 0 of producer warp 2 + c) for
+ * consumer warpgroup c. For each item it takes c's staged 64 x 64 fp32 dQ share (dq_full), adds it
+ * into its tile of dq_accum and frees the staging (dq_empty). The accumulator is not zeroed: each
+ * tile has a flag (0: untouched, 1: claimed, 2: stored; zeroed by the pre-pass), the first CTA to
+ * claim a tile stores its share with a bulk copy and releases the flag once the copy is performed,
+ * and later adders wait for that release before their bulk reduction. A tile is claimed only once
+ * its share is staged, and a claimer waits on no other CTA before its release, so a writer that
+ * waits always waits on one that progresses. */
+__device__ __forceinline__ void write_dq(const KvItems &w, const Bars &bar, int c, uint32_t sSt, int Tq, float *acc,
+                                         int32_t *flag) {
+    const int n_qt = (Tq + KQB - 1) / KQB;
+    for (int it = 0; it < w.n_it; ++it) {
+        const int64_t tile = ((int64_t)w.head(it) * n_qt + w.q0(it) / KQB) * 2 + c;
+        int32_t *f = flag + tile;
+        float *dst = acc + tile * 4096;
+        /* Most shares find their tile stored already: that read, taken before the wait (it claims
+         * nothing), keeps the round trip of a claim off the hand-off. */
+        const int32_t seen = sm90::ld_acquire(f);
+        sm90::mbar_wait(bar.dq_full(c), (uint32_t)(it & 1));
+        const int32_t old = seen == 2 ? 2 : sm90::atom_cas_acquire(f, 0, 1);
+        if (old == 0) {
+            sm90::bulk_store(dst, sSt, 64 * 64 * 4);
+        } else {
+            if (old == 1)
+                while (sm90::ld_acquire(f) != 2) __nanosleep(32);
+            sm90::fence_proxy_async_global(); /* the acquired store, before this async-proxy reduction */
+            sm90::bulk_reduce_add_f32(dst, sSt, 64 * 64 * 4);
+        }
+        sm90::bulk_wait_read<0>();
+        sm90::mbar_arrive(bar.dq_empty(c));
+        if (old == 0) {
+            sm90::bulk_wait<0>();             /* the copy is performed */
+            sm90::fence_proxy_async_global(); /* ... and ordered before the release (generic proxy) */
+            sm90::st_release(f, 2);
         }
     }
 }

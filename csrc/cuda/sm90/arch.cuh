@@ -124,6 +124,31 @@ __device__ __forceinline__ void bulk_reduce_add_f32(float *dst, uint32_t src, ui
                  "cp.async.bulk.commit_group;\n" ::"l"(dst), "r"(src), "r"(bytes)
                  : "memory");
 }
+/* Bulk asynchronous copy of `bytes` (multiple of 16) from shared memory to global dst, committed as
+ * one bulk group. */
+__device__ __forceinline__ void bulk_store(void *dst, uint32_t src, uint32_t bytes) {
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n"
+                 "cp.async.bulk.commit_group;\n" ::"l"(dst), "r"(src), "r"(bytes)
+                 : "memory");
+}
+/* Orders this thread's global accesses of the generic proxy with those of the async proxy (bulk
+ * copies and reductions) on either side. */
+__device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;\n" ::: "memory"); }
+/* gpu-scope compare-and-swap with acquire semantics: returns the old value of *p, and *p = v where
+ * it was `cmp`; a thread that reads a value released by st_release sees the writes before it. */
+__device__ __forceinline__ int32_t atom_cas_acquire(int32_t *p, int32_t cmp, int32_t v) {
+    int32_t old;
+    asm volatile("atom.acquire.gpu.global.cas.b32 %0, [%1], %2, %3;\n" : "=r"(old) : "l"(p), "r"(cmp), "r"(v) : "memory");
+    return old;
+}
+__device__ __forceinline__ int32_t ld_acquire(const int32_t *p) {
+    int32_t v;
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void st_release(int32_t *p, int32_t v) {
+    asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
+}
 template <int N> __device__ __forceinline__ void bulk_wait_read() {
     asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
 }
