@@ -10,7 +10,8 @@
  * Kernels, all deterministic (no atomics, fixed reduction orders):
  *   bwd_pre_kernel    D_i for every (row, head) and per-block dsink partial sums (the Delta pre-pass);
  *                     on Hopper also the work of every tile of the backward grids (launch.h) and
- *                     the zeros of the atomic-dQ accumulator
+ *                     the zeros of the atomic-dQ accumulator (D = 64) or of its tiles' claim flags
+ *                     (D = 128: sm90_bwd_parts.cuh, write_dq)
  *   bwd_order_kernel  dsink_h = ordered sum of the partials; the grids' longest-first tile orders
  *   bwd_dkdv_kernel   one CTA per (kv tile of 64 keys, kv head): loops over the G query heads of
  *                     the group and every q tile that sees the keys; computes S^T = K Q^T so that

@@ -264,7 +264,8 @@ ncp_status launch_dq(const ncp_sink_attn_bwd_params &b, const bwd_workspace &ws,
 }
 
 /* Deterministic: the dK/dV kernel, then the dQ kernel. Atomic dQ: the dK/dV kernel adds dQ into
- * the accumulator that the pre-pass zeroed, one pass converts it to dq. */
+ * the accumulator (D = 64: zeroed by the pre-pass; D = 128: the dQ writers store each tile's first
+ * share, write_dq), one pass converts it to dq. */
 template <typename T, int D, class Mask>
 ncp_status launch(const ncp_sink_attn_bwd_params &b, const bwd_workspace &ws, const attn_config &cfg, cudaStream_t s) {
     const ncp_sink_attn_params &p = b.f;
