@@ -15,9 +15,9 @@
  *     accumulator needs no zeroing. With D = 128 and no skipping (causal, CP tables) an item's
  *     dQ MMA runs one item late (run_adq_deferred), so the warpgroups need not meet at one barrier
  *     per item and their softmaxes interleave with each other's MMAs (+2.7% to +3.1% causal
- *     forward+backward, docs/EXPERIMENTS.md). The skipping D = 128 kernel takes
- *     the same loop in CTAs whose keys 8 or more q tiles see, skipping there only a skipped item's softmax
- *     (1.2% to 2.2% less backward time on window 513, 8k and 32k documents).
+ *     forward+backward, docs/EXPERIMENTS.md). The skipping D = 128 kernel takes the same loop in
+ *     CTAs whose keys 8 or more q tiles see, skipping there only a skipped item's softmax (1.2% to
+ *     2.2% less backward time on window 513, 8k and 32k documents).
  *   deterministic: no atomics; dQ comes from the dQ kernel (7 MMAs per item in all).
  * Skipping (SKIP, chosen per launch: documents with a window; docs/EXPERIMENTS.md): a warpgroup none
  * of whose 64 keys a row of the item sees (KeyVis::flags) skips the item. Under a window the first
