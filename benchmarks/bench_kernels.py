@@ -83,7 +83,7 @@ def main(argv=None):
     rows = forward_rows()
     print_table(rows, ["case", "fwd_ms", "fwd_tflops"])
     prof = []
-    for name in ("flint-8k-causal", "flint-8k-w513"):
+    for name in ("flint-8k-causal", "flint-8k-w513", "flint-2k-w513"):
         prof += profile_backward(name)
     print_table(prof, ["case", "kernel", "calls", "ms_per_call"])
     write_json(args.json, {"env": env_record(), "forward": rows, "profile": prof})
