@@ -17,7 +17,8 @@
 # benchmarks/ab_host.py (the attention calls' host path, .baseline against this tree); abhint:
 # benchmarks/ab_table_hint.py;
 # neither is part of all; baseline builds the tree in .baseline/ (carry it: an older commit's source,
-# e.g. `git archive <sha> csrc nemo_cp_native scripts setup.py pyproject.toml | tar -x -C .baseline`: setup.py loads scripts/ptxas_check.py) beside
+# e.g. `git archive <sha> csrc nemo_cp_native scripts setup.py pyproject.toml | tar -x -C .baseline`;
+# setup.py loads scripts/ptxas_check.py) beside
 # the main build, and ab times both builds round robin with benchmarks/ab_attention.py, AB_ARGS;
 # neither is part of all). Test, sanitizer,
 # attention and demo stages run under `timeout` (TEST_TIMEOUT, SAN_TIMEOUT, ATTN_TIMEOUT, DEMO_TIMEOUT seconds). Each stage appends its
