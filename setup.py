@@ -17,6 +17,8 @@ Knobs (environment):
     NCP_ALLOW_SERIAL_WGMMA=1  build even when ptxas serializes a kernel's wgmma (C75xx advisory,
                        scripts/ptxas_check.py); by default that fails the build
     NCP_NVCC_JOBS      parallel nvcc processes (default: CPU count)
+    NCP_CTA_CLOCK=1    a probe build: the Hopper dK/dV kernel records each CTA's SM, item count and
+                       start/end clocks (benchmarks/probe_cta_clock.py reads them); never for a release
 CUDA objects are cached under build/ncp_cuda/<hash>.o, keyed by source, headers, flags and the
 nvcc version, so an unchanged tree links without recompiling.
 
@@ -137,6 +139,8 @@ class NcpBuildExt(build_ext):
         flags += _gencode(archs)
         if "90a" in [a.strip() for a in archs.split(";")]:
             flags.append("-DNCP_SM90A_BUILD=1")  # the Hopper (wgmma/TMA) kernels exist in this build
+        if _env_flag("NCP_CTA_CLOCK"):
+            flags.append("-DNCP_CTA_CLOCK=1")  # probe build: per-CTA clocks of the dK/dV kernel
         verbose = _env_flag("NCP_PTXAS_VERBOSE")
         version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
         version = "\n".join(line for line in version.splitlines() if "release" in line or "Build" in line)

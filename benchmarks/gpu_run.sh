@@ -10,11 +10,12 @@
 #   OUT=/tmp/out NCP_COMMIT=<sha> bash benchmarks/gpu_run.sh [stage ...]
 # Set NCP_COMMIT from the machine that holds the repository: the device tool's copy of .git can be
 # stale, so `git rev-parse` run there may name an older commit than the tree it copied.
-# stages: build baseline test sanitize probe compress profile srcprof kernels attn ab abmimo abhost abhint order latency host mimo profmimo flint demo all (default: all; order:
+# stages: build baseline ctaclock test sanitize probe compress profile srcprof kernels attn ab abmimo abhost abhint order latency host mimo profmimo flint demo all (default: all; order:
 # bench_bwd_order.py, atomic and deterministic, ORDER_ARGS; probe: the
 # racecheck mbarrier probe, compress: benchmarks/probe_compress.cu, profile: Nsight Compute on named kernels, PROF_RUNS, PROF_ENV; profmimo:
 # benchmarks/profile_mimo.py; latency: benchmarks/probe_latency.py, LATENCY_ARGS; abmimo: benchmarks/ab_mimo.py (.baseline against this tree); abhost:
-# benchmarks/ab_host.py (the attention calls' host path, .baseline against this tree); abhint:
+# benchmarks/ab_host.py (the attention calls' host path, .baseline against this tree); ctaclock:
+# benchmarks/probe_cta_clock.py on a probe build of this tree (NCP_CTA_CLOCK=1, in .probe/), CTA_ARGS; abhint:
 # benchmarks/ab_table_hint.py;
 # neither is part of all; baseline builds the tree in .baseline/ (carry it: an older commit's source,
 # e.g. `git archive <sha> csrc nemo_cp_native scripts setup.py pyproject.toml | tar -x -C .baseline`;
@@ -38,6 +39,14 @@ want() { [[ " $STAGES " == *" all "* || " $STAGES " == *" $1 "* ]]; }
 
 note "commit $NCP_COMMIT stages: $STAGES"
 nvidia-smi --query-gpu=name,uuid,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,ecc.errors.uncorrected.volatile.total --format=csv,noheader >> "$SUM" 2>&1
+
+if [[ " $STAGES " == *" ctaclock "* ]]; then  # the probe build (NCP_CTA_CLOCK=1) of this tree in .probe/, in the background
+  rm -rf .probe && mkdir .probe && cp -r csrc nemo_cp_native scripts benchmarks setup.py pyproject.toml .probe/ \
+    && rm -f .probe/nemo_cp_native/_C*.so
+  ( cd .probe && NCP_FORCE_CUDA=1 NCP_CTA_CLOCK=1 NCP_NVCC_JOBS=8 $PY setup.py build_ext --inplace \
+      > "$OUT/probe_build.log" 2>&1 ) &
+  PROBE_PID=$!
+fi
 
 if [[ " $STAGES " == *" baseline "* ]]; then  # built in the background, beside the main build
   ( cd .baseline && rm -f nemo_cp_native/_C*.so && NCP_FORCE_CUDA=1 NCP_NVCC_JOBS=8 $PY setup.py build_ext --inplace \
@@ -145,6 +154,17 @@ if [[ " $STAGES " == *" srcprof "* ]]; then  # only when named: Nsight Compute s
     note "sass page $tag: $(wc -l < /tmp/srcprof/$tag.csv) lines"
   done
   tar -C /tmp/srcprof -czf "$OUT/srcprof.tar.gz" --exclude='*.ncu-rep' .
+fi
+
+if [[ " $STAGES " == *" ctaclock "* ]]; then  # only when named: per-CTA timeline of the dK/dV kernel, CTA_ARGS
+  if wait $PROBE_PID; then
+    note "probe build ok"
+    $PY .probe/benchmarks/probe_cta_clock.py ${CTA_ARGS:-} --json "$OUT/cta_clock.json" >> "$SUM" 2>&1
+    note "probe_cta_clock exit $?"
+  else
+    note "PROBE BUILD FAILED"; tail -30 "$OUT/probe_build.log" >> "$SUM"
+  fi
+  rm -f "$OUT/probe_build.log"
 fi
 
 if want kernels; then

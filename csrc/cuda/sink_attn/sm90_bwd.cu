@@ -31,6 +31,28 @@ inline bool skips_items(const ncp_sink_attn_params &p) { return p.mask.window > 
  * whole items with one barrier per item. */
 constexpr int kDeferredMinQTiles = 8;
 
+#if defined(NCP_CTA_CLOCK)
+/* Probe builds only (setup.py, NCP_CTA_CLOCK=1): per dK/dV CTA (blockIdx.y * gridDim.x + blockIdx.x)
+ * its start, K/V-ready, loop-end and end times (%globaltimer, ns), start and end %clock64 and
+ * smid | n_q << 8 | n_it << 16 | key tile << 32 | kv head << 48. benchmarks/probe_cta_clock.py. */
+constexpr int kClockCtas = 1 << 17;
+__device__ unsigned long long g_cta_clock[kClockCtas][8];
+__device__ __forceinline__ unsigned long long gtimer() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+#define NCP_CLOCK_REC(...)                                                              \
+    do {                                                                                \
+        const unsigned cta_ = blockIdx.y * gridDim.x + blockIdx.x;                      \
+        if (cta_ < (unsigned)kClockCtas) { unsigned long long *r_ = g_cta_clock[cta_]; __VA_ARGS__; } \
+    } while (0)
+#else
+#define NCP_CLOCK_REC(...) \
+    do {               \
+    } while (0)
+#endif
+
 template <typename T, int D, bool ADQ, class Mask, bool SKIP>
 __global__ void __launch_bounds__(kThreads, 1)
     bwd_dkdv_sm90_kernel(const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
@@ -45,11 +67,19 @@ __global__ void __launch_bounds__(kThreads, 1)
     float *s_l2 = reinterpret_cast<float *>(smem_raw + (base - smem_u32(smem_raw)) + L::vec_off); /* [S][KQB] */
     float *s_dl = s_l2 + kStages * KQB;
     uint16_t *s_kb = reinterpret_cast<uint16_t *>(s_dl + kStages * KQB); /* [S][KQB] key bounds */
-    if (threadIdx.x == 0) bar.init(2); /* a_full: the TMA thread and the lse/Delta warp */
+    if (threadIdx.x == 0) {
+        NCP_CLOCK_REC(r_[0] = gtimer(); r_[2] = clock64());
+        bar.init(2); /* a_full: the TMA thread and the lse/Delta warp */
+    }
     __syncthreads();
     const Mask mask(p);
     const int kt = ws.kv.order != nullptr ? __ldg(ws.kv.order + blockIdx.y) : blockIdx.y; /* longest first */
     const KvItems w(mask, blockIdx.x, kt * KVB, p.Hq / p.Hkv);
+    if (threadIdx.x == 0) {
+        NCP_CLOCK_REC(unsigned sm_; asm volatile("mov.u32 %0, %%smid;" : "=r"(sm_));
+                      r_[4] = sm_ | (unsigned long long)(w.n_q & 255) << 8 | (unsigned long long)(w.n_it & 65535) << 16 |
+                              (unsigned long long)(kt & 65535) << 32 | (unsigned long long)(blockIdx.x & 65535) << 48);
+    }
     const int wg = threadIdx.x / 128;
     if (wg == 0) {
         Split::producer(); /* 24 registers; warp 1's key bounds (documents: a binary search) fit */
@@ -68,6 +98,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     Split::consumer();
     DkdvConsumer<T, D, ADQ> c(p, w, bar, base, s_l2, s_dl, s_kb, sm90::warp_uniform(wg - 1));
     sm90::mbar_wait(bar.stat(), 0);
+    if (threadIdx.x == 128) NCP_CLOCK_REC(r_[5] = gtimer());
     if constexpr (ADQ && D == 128 && !SKIP) c.template run_adq_deferred<false>();
     else if constexpr (ADQ && D == 128) {
         /* Skipping: a warpgroup skips the first and last q tile of the key tile's run per head
@@ -79,8 +110,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     else c.template run_det<SKIP>();
     /* With D = 128 each warpgroup's dQ MMAs read all 128 rows of K; store() rewrites this
      * warpgroup's rows, so both warpgroups' last dQ MMAs must be done first. */
+    if (threadIdx.x == 128) NCP_CLOCK_REC(r_[6] = gtimer());
     if constexpr (ADQ && D == 128) sm90::named_sync(kKFree, 256);
     c.store(b);
+    if ((threadIdx.x & 127) == 0) NCP_CLOCK_REC(atomicMax(&r_[1], gtimer()); atomicMax(&r_[3], (unsigned long long)clock64()));
 #else
     __trap(); /* never launched: the dispatcher picks this kernel only on sm_90a builds and devices */
 #endif
@@ -296,3 +329,17 @@ ncp_status attn_bwd_sm90(const ncp_sink_attn_bwd_params &b, const bwd_workspace 
 }
 
 }  // namespace ncp
+
+#if defined(NCP_CTA_CLOCK) && defined(NCP_SM90A_BUILD)
+/* Probe builds: copy the dK/dV kernel's per-CTA records (bwd90::g_cta_clock, 64 bytes each) to host
+ * memory and zero them (benchmarks/probe_cta_clock.py loads this through ctypes). 0 on success. */
+extern "C" __attribute__((visibility("default"))) int ncp_cta_clock_read(void *host, size_t bytes) {
+    const size_t cap = sizeof(ncp::bwd90::g_cta_clock);
+    if (host == nullptr || bytes > cap) return 1;
+    if (cudaDeviceSynchronize() != cudaSuccess) return 2;
+    if (cudaMemcpyFromSymbol(host, ncp::bwd90::g_cta_clock, bytes) != cudaSuccess) return 3;
+    void *dev = nullptr;
+    if (cudaGetSymbolAddress(&dev, ncp::bwd90::g_cta_clock) != cudaSuccess || cudaMemset(dev, 0, cap) != cudaSuccess) return 4;
+    return cudaDeviceSynchronize() == cudaSuccess ? 0 : 5;
+}
+#endif
