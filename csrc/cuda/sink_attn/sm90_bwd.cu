@@ -31,28 +31,6 @@ inline bool skips_items(const ncp_sink_attn_params &p) { return p.mask.window > 
  * whole items with one barrier per item. */
 constexpr int kDeferredMinQTiles = 8;
 
-#if defined(NCP_CTA_CLOCK)
-/* Probe builds only (setup.py, NCP_CTA_CLOCK=1): per dK/dV CTA (blockIdx.y * gridDim.x + blockIdx.x)
- * its start, K/V-ready, loop-end and end times (%globaltimer, ns), start and end %clock64 and
- * smid | n_q << 8 | n_it << 16 | key tile << 32 | kv head << 48. benchmarks/probe_cta_clock.py. */
-constexpr int kClockCtas = 1 << 17;
-__device__ unsigned long long g_cta_clock[kClockCtas][8];
-__device__ __forceinline__ unsigned long long gtimer() {
-    unsigned long long t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-}
-#define NCP_CLOCK_REC(...)                                                              \
-    do {                                                                                \
-        const unsigned cta_ = blockIdx.y * gridDim.x + blockIdx.x;                      \
-        if (cta_ < (unsigned)kClockCtas) { unsigned long long *r_ = g_cta_clock[cta_]; __VA_ARGS__; } \
-    } while (0)
-#else
-#define NCP_CLOCK_REC(...) \
-    do {               \
-    } while (0)
-#endif
-
 template <typename T, int D, bool ADQ, class Mask, bool SKIP>
 __global__ void __launch_bounds__(kThreads, 1)
     bwd_dkdv_sm90_kernel(const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
@@ -68,7 +46,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     float *s_dl = s_l2 + kStages * KQB;
     uint16_t *s_kb = reinterpret_cast<uint16_t *>(s_dl + kStages * KQB); /* [S][KQB] key bounds */
     if (threadIdx.x == 0) {
-        NCP_CLOCK_REC(r_[0] = gtimer(); r_[2] = clock64());
+        NCP_CLOCK_REC(r_[0] = gtimer());
         bar.init(2); /* a_full: the TMA thread and the lse/Delta warp */
     }
     __syncthreads();
@@ -113,7 +91,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (threadIdx.x == 128) NCP_CLOCK_REC(r_[6] = gtimer());
     if constexpr (ADQ && D == 128) sm90::named_sync(kKFree, 256);
     c.store(b);
-    if ((threadIdx.x & 127) == 0) NCP_CLOCK_REC(atomicMax(&r_[1], gtimer()); atomicMax(&r_[3], (unsigned long long)clock64()));
+    if ((threadIdx.x & 127) == 0) NCP_CLOCK_REC(atomicMax(&r_[1], gtimer()));
 #else
     __trap(); /* never launched: the dispatcher picks this kernel only on sm_90a builds and devices */
 #endif

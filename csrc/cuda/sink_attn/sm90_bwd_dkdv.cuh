@@ -75,7 +75,7 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
     __device__ __forceinline__ uint32_t wait_item(int it) const {
         it = min(it, w.n_it - 1);
         const int s = Ring::slot(it);
-        sm90::mbar_wait(bar.a(s), Ring::full_phase(it));
+        NCP_CLOCK_SPAN(threadIdx.x == 128, 2, sm90::mbar_wait(bar.a(s), Ring::full_phase(it)));
         return vis.flags(s, 64 * cw, 64 * (1 - cw));
     }
     /* S^T = K Q^T and dP^T = V dO^T of item it (stage a waited: wait_item), issued asynchronously. */
@@ -141,7 +141,9 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
 
     /* Without skipping: item it's stage a waited at the top of its turn, and whether it needs the
      * mask pass from the key bounds after its S and dP are done (as bit 1, like flags). */
-    __device__ __forceinline__ void wait_stage(int it) const { sm90::mbar_wait(bar.a(Ring::slot(it)), Ring::full_phase(it)); }
+    __device__ __forceinline__ void wait_stage(int it) const {
+        NCP_CLOCK_SPAN(threadIdx.x == 128, 2, sm90::mbar_wait(bar.a(Ring::slot(it)), Ring::full_phase(it)));
+    }
     __device__ __forceinline__ uint32_t full_flags(int it) const { return 1u | (uint32_t)vis.all_visible(Ring::slot(it)) << 1; }
 
     /* S^T and dP^T of item it, done (without SKIP the stage is waited here); returns the item's

@@ -21,6 +21,46 @@
 namespace ncp {
 namespace bwd90 {
 
+#if defined(NCP_CTA_CLOCK)
+/* Probe builds only (setup.py, NCP_CTA_CLOCK=1; benchmarks/probe_cta_clock.py). Per dK/dV CTA
+ * (blockIdx.y * gridDim.x + blockIdx.x), %globaltimer in ns: [0] entry, [1] end (after the dK/dV
+ * store), [2] time consumer warpgroup 0 waited for items' stage a (Q, lse, Delta, key bounds),
+ * [3] time the dQ writers spun on another CTA's claim, [4] smid | n_q << 8 | n_it << 16 | key tile
+ * << 32 | kv head << 48, [5] K and V in, [6] end of the item loop, [7] time the TMA thread waited
+ * for free stages. */
+constexpr int kClockCtas = 1 << 17;
+__device__ unsigned long long g_cta_clock[kClockCtas][8];
+__device__ __forceinline__ unsigned long long gtimer() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+#define NCP_CLOCK_REC(...)                                                                         \
+    do {                                                                                           \
+        const unsigned cta_ = blockIdx.y * gridDim.x + blockIdx.x;                                 \
+        if (cta_ < (unsigned)kClockCtas) {                                                         \
+            unsigned long long *r_ = g_cta_clock[cta_];                                            \
+            __VA_ARGS__;                                                                           \
+        }                                                                                          \
+    } while (0)
+/* Runs stmt; with cond, adds the ns it took to record word i. */
+#define NCP_CLOCK_SPAN(cond, i, stmt)                                                              \
+    do {                                                                                           \
+        const bool on_ = (cond);                                                                   \
+        const unsigned long long t_ = on_ ? gtimer() : 0ull;                                       \
+        stmt;                                                                                      \
+        if (on_) NCP_CLOCK_REC(atomicAdd(&r_[i], gtimer() - t_));                                  \
+    } while (0)
+#else
+#define NCP_CLOCK_REC(...) \
+    do {               \
+    } while (0)
+#define NCP_CLOCK_SPAN(cond, i, stmt) \
+    do {                          \
+        stmt;                     \
+    } while (0)
+#endif
+
 constexpr int kThreads = 384; /* producer + 2 consumer warpgroups */
 using Split = sm90::RegSplit<3, 24, 240>; /* producer 24 registers, consumers 240 */
 static_assert(Split::kThreads == kThreads, "one producer and two consumer warpgroups");
@@ -124,7 +164,7 @@ __device__ __forceinline__ void produce_dkdv(const KvItems &w, const Bars &bar, 
         sm90::tma_load_tile_pair<D>(sK, tm_k, sV, tm_v, KVB, w.g_kv, w.k0, bar.stat());
         for (int it = 0; it < w.n_it; ++it) {
             const int s = Ring::slot(it), h = w.head(it), q0 = w.q0(it);
-            if (it >= kStages) sm90::mbar_wait(bar.e(s), Ring::empty_phase(it));
+            if (it >= kStages) NCP_CLOCK_SPAN(true, 7, sm90::mbar_wait(bar.e(s), Ring::empty_phase(it)));
             sm90::mbar_expect_tx(bar.a(s), L::tile_bytes);
             sm90::tma_load_tile<D>(sQ0 + s * L::tile_bytes, tm_q, KQB, h, q0, bar.a(s));
             sm90::mbar_expect_tx(bar.b(s), L::tile_bytes);
@@ -187,7 +227,7 @@ __device__ __forceinline__ void write_dq(const KvItems &w, const Bars &bar, int 
             sm90::bulk_store(dst, sSt, 64 * 64 * 4);
         } else {
             if (old == 1)
-                while (sm90::ld_acquire(f) != 2) __nanosleep(32);
+                NCP_CLOCK_SPAN(true, 3, while (sm90::ld_acquire(f) != 2) __nanosleep(32));
             sm90::fence_proxy_async_global(); /* the acquired store, before this async-proxy reduction */
             sm90::bulk_reduce_add_f32(dst, sSt, 64 * 64 * 4);
         }
