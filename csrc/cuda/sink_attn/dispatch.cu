@@ -91,12 +91,7 @@ ncp_status choose(int deterministic, int D, int window, choice *c) {
     c->cfg.sm_count = sm_count(dev);
     c->cfg.grid = d.grid;
     c->cfg.whole_tiles = d.whole_tiles;
-    /* Under a window every key tile sees about the same number of q tiles (only a document's last
-     * few see fewer), and index order keeps neighbouring key tiles, which share Q, dO and dQ tiles,
-     * in flight together: the w513 dK/dV kernel took 1.9% (8k documents) and 3.1% (2k) less time in
-     * index order than longest first (H100, benchmarks/probe_cta_clock.py, docs/EXPERIMENTS.md).
-     * Without a window (causal documents, a causal CP rank's tables) longest first stays. */
-    c->cfg.order_waves = d.order_waves != 0 ? d.order_waves : (window > 0 ? -1 : kOrderWaves);
+    c->cfg.order_waves = d.order_waves == 0 ? kOrderWaves : d.order_waves;
     c->sm90 = !d.portable && ncp_sm90_usable();
     c->atomic_dq = c->sm90 && !deterministic && !dq_kernel_pays(dev, D, window);
     return NCP_OK;
