@@ -190,6 +190,16 @@ def test_cuda_matches_oracle(case, dtype, ncp_seed, kernel):
     _check_case(lengths, hq, hkv, d, window, dtype, ncp_seed)
 
 
+@pytest.mark.parametrize("window", [0, 513, 100])
+def test_cuda_empty_documents_and_key_tiles_across_documents(window, ncp_seed, kernel):
+    """The dK/dV producer takes a row's document start from the one document it searched for its
+    key tile's last key (sm90_bwd_parts.cuh, CtaKeyBounds) and searches only rows outside it:
+    empty documents (repeated cu_seqlens entries, leading ones included), documents shorter than a
+    key tile, key tiles of 128 keys that start in one document and end in another, and rows of a
+    q tile past the searched document."""
+    _check_case([0, 0, 70, 0, 300, 129, 0, 0, 1, 700, 0, 190, 5, 0], 8, 2, 128, window, torch.bfloat16, ncp_seed)
+
+
 def test_cuda_no_sink_and_length_one_documents(ncp_seed, kernel):
     _check_case([1, 1, 5, 1, 200, 1, 64, 1], 4, 1, 64, 0, torch.bfloat16, ncp_seed, sink=False)
     _check_case([1, 1, 5, 1, 200, 1, 64, 1], 4, 1, 64, 3, torch.bfloat16, ncp_seed, sink=True)

@@ -149,6 +149,46 @@ template <class Mask> __device__ __forceinline__ uint16_t key_bounds(const Mask 
     return (uint16_t)(a | b << 8);
 }
 
+/* key_bounds of the rows of one dK/dV CTA (keys [k0, k0 + KVB)), for the producer's lse/Delta
+ * warp: the values of key_bounds. A table's bounds are two loads per row. Under the document mask
+ * a row's bounds need its document's start, a binary search over cu_seqlens: about log2(documents)
+ * dependent loads per row and item, on the path of every item's stage (64k tokens in 2k documents:
+ * 6 loads; the consumers then waited 0.76 us per 2.9 us item for their stage, against 0.29 us in 8k
+ * documents; padding the 8k pack's cu_seqlens to the same depth made its dK/dV kernel 13% slower:
+ * benchmarks/probe_cta_clock.py, docs/EXPERIMENTS.md). So the warp searches once, for the CTA's
+ * last key: its document [ds, de) holds every row that sees the CTA's keys from the end of the
+ * previous document on, and those rows take ds without a search (the same value as the search on
+ * a monotone cu_seqlens); rows before ds (a key tile across a document boundary) or from de on
+ * search as before. */
+template <class Mask> struct CtaKeyBounds {
+    const Mask &m;
+    const int k0;
+    __device__ __forceinline__ CtaKeyBounds(const Mask &m_, int k0_) : m(m_), k0(k0_) {}
+    __device__ __forceinline__ uint16_t operator()(int q) const { return key_bounds(m, q, k0); }
+};
+template <> struct CtaKeyBounds<DocsMask> {
+    const DocsMask &m;
+    const int k0;
+    int ds, de; /* the document of key min(k0 + KVB, Tk) - 1: [ds, de); empty when n_cu < 2 */
+    __device__ __forceinline__ CtaKeyBounds(const DocsMask &m_, int k0_) : m(m_), k0(k0_) {
+        const int d = doc_index(m.cu, m.n_cu, min(k0 + KVB, m.Tk) - 1);
+        ds = m.n_cu >= 2 ? __ldg(m.cu + d) : 0;
+        de = m.n_cu >= 2 ? __ldg(m.cu + d + 1) : 0;
+    }
+    __device__ __forceinline__ uint16_t operator()(int q) const {
+        if (q >= m.Tq) return (uint16_t)KVB; /* a = KVB, b = 0 */
+        int lo;
+        if (q >= ds && q < de) { /* doc_start(q) = max(ds, 0) here; then the window, as DocsMask::lo */
+            lo = max(ds, 0);
+            if (m.window > 0 && q - m.window + 1 > lo) lo = q - m.window + 1;
+        } else {
+            lo = m.lo(q);
+        }
+        const int a = min(max(lo - k0, 0), KVB), b = min(max(m.hi(q) - k0 + 1, 0), KVB);
+        return (uint16_t)(a | b << 8);
+    }
+};
+
 /* dK/dV producer. Thread 0: K and V once, then Q and dO of every item. Warp 1: lse * log2(e) and
  * Delta of every item's 64 rows into shared memory, and their key bounds (key_bounds), so the
  * consumers' mask pass is one shared load and two compares per query, whatever the mask. */
@@ -176,6 +216,7 @@ __device__ __forceinline__ void produce_dkdv(const KvItems &w, const Bars &bar, 
         static_assert(KQB == 64, "a lane takes rows lane and lane + 32");
         float l2v[2], dlv[2];
         uint32_t kbv[2];
+        const CtaKeyBounds<Mask> bounds(mask, w.k0);
         const auto load = [&](int it) {
             const int h = w.head(it), q0 = w.q0(it);
 #pragma unroll
@@ -184,7 +225,7 @@ __device__ __forceinline__ void produce_dkdv(const KvItems &w, const Bars &bar, 
                 const bool ok = q < p.Tq;
                 l2v[r] = ok ? __ldg(p.lse + (int64_t)h * p.Tq + q) * kLog2e : 0.f;
                 dlv[r] = ok ? __ldg(delta + (int64_t)h * p.Tq + q) : 0.f;
-                kbv[r] = key_bounds(mask, q, w.k0);
+                kbv[r] = bounds(q);
             }
         };
         if (w.n_it > 0) load(0);
