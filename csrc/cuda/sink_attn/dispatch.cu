@@ -91,7 +91,14 @@ ncp_status choose(int deterministic, int D, int window, choice *c) {
     c->cfg.sm_count = sm_count(dev);
     c->cfg.grid = d.grid;
     c->cfg.whole_tiles = d.whole_tiles;
-    c->cfg.order_waves = d.order_waves == 0 ? kOrderWaves : d.order_waves;
+    /* Under a window every key tile sees about the same number of q tiles (only a document's last
+     * few see fewer), and index order keeps neighbouring key tiles, which share Q, dO and dQ tiles,
+     * in flight together: with the one-search producer (CtaKeyBounds) the w513 backward took 1.9%
+     * (2k documents) and 1.1% (8k) less time in index order than longest first, and a CP rank's w513
+     * tables -0.6% / +0.1% (H100, benchmarks/bench_bwd_order.py, docs/EXPERIMENTS.md). Without a
+     * window (causal documents, a causal CP rank's tables) longest first stays: index order costs a
+     * causal rank of cp = 8 up to 17% there. */
+    c->cfg.order_waves = d.order_waves != 0 ? d.order_waves : (window > 0 ? -1 : kOrderWaves);
     c->sm90 = !d.portable && ncp_sm90_usable();
     c->atomic_dq = c->sm90 && !deterministic && !dq_kernel_pays(dev, D, window);
     return NCP_OK;

@@ -21,7 +21,8 @@ struct attn_config {
     int sm_count;    /* its multiprocessors: the persistent grid */
     int grid;        /* test hook: cap of the persistent grid (0: sm_count) */
     int whole_tiles; /* test hook: no half tiles in the Hopper forward */
-    int order_waves; /* Hopper backward orders: waves per chunk, or -1: index order */
+    int order_waves; /* Hopper backward orders: waves per chunk, or -1: index order (the default
+                      * under a window, kOrderWaves without; dispatch.cu, choose) */
 };
 
 /* Longest-first orders of the Hopper backward grids. Under a causal, windowed or document mask
@@ -34,7 +35,8 @@ struct attn_config {
  * every document at once and lose the L2 reuse of index order (CTAs of neighbouring key tiles
  * read the same Q and dO tiles and add into the same dQ tiles), so the tiles are ranked within
  * consecutive chunks of kOrderWaves waves: the last chunk, the tail, is longest first, and the
- * CTAs in flight stay within a few documents. */
+ * CTAs in flight stay within a few documents. Under a window the work hardly varies and the
+ * dispatcher keeps index order (dispatch.cu, choose). */
 constexpr int kBwdKvTile = 128, kBwdKvStep = 64, kBwdQTile = 128, kBwdQStep = 64;
 constexpr int kOrderWaves = 2;
 constexpr int kOrderThreads = 256;

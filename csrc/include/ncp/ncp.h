@@ -278,8 +278,9 @@ void ncp_sink_attn_kernels(int32_t deterministic, int32_t D, int32_t window, con
  * portable = 1 runs the portable mma.sync kernels on any GPU; grid > 0 caps the persistent Hopper
  * forward at that many CTAs (a value >= the work items gives one CTA per item); whole_tiles = 1
  * turns the Hopper forward's half tiles off (the same bits); order_waves sets the Hopper backward
- * grids' longest-first orders (0: the default, -1: index order, k > 0: longest first within
- * chunks of k waves; every order gives the same bits in the deterministic mode). */
+ * grids' longest-first orders (0: the default, index order under a window and chunks of 2 waves
+ * without; -1: index order; k > 0: longest first within chunks of k waves; every order gives the
+ * same bits in the deterministic mode). */
 typedef struct {
     int32_t portable;
     int32_t grid;
