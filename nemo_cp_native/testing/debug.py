@@ -3,8 +3,9 @@
     with attn_debug(portable=True):        # the portable mma.sync kernels on any GPU
     with attn_debug(grid=5):               # the persistent Hopper forward on 5 CTAs
     with attn_debug(whole_tiles=True):     # no half tiles in the Hopper forward (same bits)
-    with attn_debug(order_waves=-1):       # the Hopper backward grids in index order (0: default
-                                           # longest-first order, k > 0: within chunks of k waves)
+    with attn_debug(order_waves=-1):       # the Hopper backward grids in index order (0: default,
+                                           # index order under a window, else longest first within
+                                           # chunks of 2 waves; k > 0: longest first within k waves)
 
 The hooks are one struct in the extension, read once per call; they are process-global, so do
 not use them from several threads at once. Entering and leaving the block clears the cache of
