@@ -188,9 +188,23 @@ def round_order(items: list, r: int) -> list:
     return [items[j] for j in rows[r % len(rows)]]
 
 
-def _time(impls: list[Impl], methods, reps: int, heat: float, interleave: bool) -> dict:
-    """{(impl, method): (fwd ms, fwd+bwd ms)}."""
-    out = {}
+def paired_ratio(a: list, b: list) -> dict:
+    """Row b against row a from the same rounds: per round the ratio b / a of their times, then
+    the median and quartiles of those ratios. A slow stretch of the GPU (its clock, a neighbour's
+    heat) touches both calls of a round, so the paired ratio's spread is the method's own noise
+    floor for a difference between two rows; the ratio of two rows' medians carries the noise of
+    each."""
+    if not a or len(a) != len(b):
+        return {}
+    r = sorted(y / x for x, y in zip(a, b))
+    q = statistics.quantiles(r, n=4) if len(r) > 1 else [r[0]] * 3
+    return {"median": round(statistics.median(r), 4), "q1": round(q[0], 4), "q3": round(q[2], 4), "rounds": len(r)}
+
+
+def _time(impls: list[Impl], methods, reps: int, heat: float, interleave: bool) -> tuple[dict, dict]:
+    """{(impl, method): (fwd ms, fwd+bwd ms)} and, interleaved, {(impl, method): (fwd rounds,
+    fwd+bwd rounds)}: the ms of every counted round, in round order (the same rounds for every row)."""
+    out, samples = {}, {}
     for method in methods:
         queued, loop = method == "queued", method == "loop"
         fns = {i.name: ((i.fwd_fast, i.fwdbwd_fast) if queued else (i.fwd, i.fwdbwd)) for i in impls}
@@ -217,7 +231,8 @@ def _time(impls: list[Impl], methods, reps: int, heat: float, interleave: bool) 
                         times[i.name, which].append(ms)
         for i in impls:
             out[i.name, method] = (statistics.median(times[i.name, 0]), statistics.median(times[i.name, 1]))
-    return out
+            samples[i.name, method] = (times[i.name, 0], times[i.name, 1])
+    return out, samples
 
 
 def bench_case(name, spec, *, flex: bool, reps: int, heat: float, only: frozenset, methods, interleave: bool,
@@ -241,7 +256,7 @@ def bench_case(name, spec, *, flex: bool, reps: int, heat: float, only: frozense
             rows.append({**base, "impl": "flex+sink", "note": f"failed: {type(exc).__name__}: {exc}"[:200]})
     if window == 0 and total % doc_len == 0 and keep("sdpa(no sink)"):
         impls.append(_sdpa(q, k, v, doc_len, dout))
-    times = _time(impls, methods, reps, heat, interleave)
+    times, samples = _time(impls, methods, reps, heat, interleave)
     for i in impls:
         row = {**base, "impl": i.name}
         for method in methods:
@@ -250,6 +265,14 @@ def bench_case(name, spec, *, flex: bool, reps: int, heat: float, only: frozense
             row.update({f"fwd_ms{sfx}": round(f_ms, 3), f"fwd_tflops{sfx}": round(bl.tflops(fwd_flops, f_ms), 1),
                         f"fwdbwd_ms{sfx}": round(fb_ms, 3),
                         f"fwdbwd_tflops{sfx}": round(bl.tflops(3.5 * fwd_flops, fb_ms), 1)})  # fmt: skip
+            if (i.name, method) in samples:  # per-round ms, and (our other rows) the paired ratio to ncp
+                fr, fbr = samples[i.name, method]
+                row[f"fwd_rounds_ms{sfx}"] = [round(x, 4) for x in fr]
+                row[f"fwdbwd_rounds_ms{sfx}"] = [round(x, 4) for x in fbr]
+                if i.name != "ncp" and ("ncp", method) in samples:
+                    base_f, base_fb = samples["ncp", method]
+                    row[f"fwd_vs_ncp{sfx}"] = paired_ratio(base_f, fr)
+                    row[f"fwdbwd_vs_ncp{sfx}"] = paired_ratio(base_fb, fbr)
         row["note"] = i.note
         rows.append(row)
     return rows
@@ -300,6 +323,14 @@ def main(argv=None):
                          methods=methods, interleave=not args.no_interleave, variants=variants)  # fmt: skip
         rows += new
         print_table(new, cols + ["fwd_ms", "fwdbwd_ms", "note"])
+        for row in new:
+            for method in methods:
+                sfx = SUFFIX[method]
+                f, fb = row.get(f"fwd_vs_ncp{sfx}"), row.get(f"fwdbwd_vs_ncp{sfx}")
+                if f and fb:
+                    print(f"  {row['impl']} / ncp, time ratio per round ({method}), median [quartiles]: "
+                          f"fwd {f['median']:.4f} [{f['q1']:.4f}, {f['q3']:.4f}] ({f['rounds']} rounds), "
+                          f"fwd+bwd {fb['median']:.4f} [{fb['q1']:.4f}, {fb['q3']:.4f}] ({fb['rounds']} rounds)")
         sys.stdout.flush()
         write_json(args.json, {"env": env, "rows": rows})  # after every case: a cut-off run keeps its results
     print()

@@ -106,3 +106,34 @@ def test_round_order_is_balanced(n):
         pairs = Counter((o[k - 1], o[k]) for o in orders for k in range(1, n))
         if n > 1:
             assert len(pairs) == n * (n - 1) and len(set(pairs.values())) == 1, pairs
+
+
+def test_paired_ratio_takes_round_by_round_ratios():
+    mod = _bench_sink_attention()
+    # a slow stretch (rounds 2-3) moves both rows; the per-round ratio stays 1.02
+    a = [10.0, 10.0, 14.0, 14.0, 10.0, 10.0]
+    b = [x * 1.02 for x in a]
+    r = mod.paired_ratio(a, b)
+    assert r["rounds"] == 6 and r["median"] == r["q1"] == r["q3"] == 1.02
+    assert mod.paired_ratio(a, b[:-1]) == {} and mod.paired_ratio([], []) == {}
+    assert mod.paired_ratio([2.0], [3.0]) == {"median": 1.5, "q1": 1.5, "q3": 1.5, "rounds": 1}
+
+
+def test_interleaved_rounds_are_kept_per_row(clock):
+    """_time's per-round samples: every row gets one sample per counted round (forward and
+    forward+backward), in the same rounds, so rows can be paired round by round."""
+    mod = _bench_sink_attention()
+
+    def impl(name, ms):
+        fn = _fn(clock, [ms])
+        return mod.Impl(name, fn, fn, fn, fn)
+
+    impls = [impl("ncp", 2.0), impl("ncp-nosink", 3.0), impl("other", 4.0)]
+    out, samples = mod._time(impls, ("do_bench",), reps=5, heat=0.0, interleave=True)
+    whole = mod.design_rounds(3)
+    for name, ms in (("ncp", 2.0), ("ncp-nosink", 3.0), ("other", 4.0)):
+        fwd, fwdbwd = samples[name, "do_bench"]
+        assert len(fwd) == -(-5 // whole) * whole and len(fwdbwd) == -(-3 // whole) * whole
+        assert set(fwd) == set(fwdbwd) == {ms} and out[name, "do_bench"] == (ms, ms)
+    r = mod.paired_ratio(samples["ncp", "do_bench"][1], samples["ncp-nosink", "do_bench"][1])
+    assert r["median"] == 1.5

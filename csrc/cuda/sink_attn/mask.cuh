@@ -63,10 +63,10 @@ struct DocsMask {
     __device__ __forceinline__ explicit DocsMask(const ncp_sink_attn_params &p)
         : cu(p.mask.cu_seqlens), n_cu(p.mask.n_cu), window(p.mask.window), Tq(p.Tq), Tk(p.Tk) {}
     /* First visible key of row i < Tq. */
-    __device__ __forceinline__ int lo(int i) const {
-        int l = doc_start(cu, n_cu, i);
-        if (window > 0 && i - window + 1 > l) l = i - window + 1;
-        return l;
+    __device__ __forceinline__ int lo(int i) const { return lo_in_doc(i, doc_start(cu, n_cu, i)); }
+    /* The same for a row whose document start s (0 <= s <= i) is known: the window's clamp. */
+    __device__ __forceinline__ int lo_in_doc(int i, int s) const {
+        return window > 0 && i - window + 1 > s ? i - window + 1 : s;
     }
     __device__ __forceinline__ int hi(int i) const { return min(i, Tk - 1); }
     /* Rows that see a key of [k0, k1] (k0 <= k1 < Tk): from k0 to the end of k1's document, or

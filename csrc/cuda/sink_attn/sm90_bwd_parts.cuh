@@ -142,11 +142,14 @@ struct KvItems {
 
 /* Which of the CTA's keys k0 + d (0 <= d < KVB) row q sees, for the mask pass: a <= d < b, packed
  * as a | b << 8 (a, b in [0, KVB]; rows past Tq and keys past Tk see nothing). */
-template <class Mask> __device__ __forceinline__ uint16_t key_bounds(const Mask &m, int q, int k0) {
+__device__ __forceinline__ uint16_t pack_key_bounds(int lo, int hi, int k0) {
     static_assert(KVB < 256, "key bounds are packed in 8 bits each");
-    if (q >= m.Tq) return (uint16_t)KVB; /* a = KVB, b = 0 */
-    const int a = min(max(m.lo(q) - k0, 0), KVB), b = min(max(m.hi(q) - k0 + 1, 0), KVB);
+    const int a = min(max(lo - k0, 0), KVB), b = min(max(hi - k0 + 1, 0), KVB);
     return (uint16_t)(a | b << 8);
+}
+template <class Mask> __device__ __forceinline__ uint16_t key_bounds(const Mask &m, int q, int k0) {
+    if (q >= m.Tq) return (uint16_t)KVB; /* a = KVB, b = 0 */
+    return pack_key_bounds(m.lo(q), m.hi(q), k0);
 }
 
 /* key_bounds of the rows of one dK/dV CTA (keys [k0, k0 + KVB)), for the producer's lse/Delta
@@ -177,15 +180,9 @@ template <> struct CtaKeyBounds<DocsMask> {
     }
     __device__ __forceinline__ uint16_t operator()(int q) const {
         if (q >= m.Tq) return (uint16_t)KVB; /* a = KVB, b = 0 */
-        int lo;
-        if (q >= ds && q < de) { /* doc_start(q) = max(ds, 0) here; then the window, as DocsMask::lo */
-            lo = max(ds, 0);
-            if (m.window > 0 && q - m.window + 1 > lo) lo = q - m.window + 1;
-        } else {
-            lo = m.lo(q);
-        }
-        const int a = min(max(lo - k0, 0), KVB), b = min(max(m.hi(q) - k0 + 1, 0), KVB);
-        return (uint16_t)(a | b << 8);
+        /* in [ds, de), doc_start(q) = max(ds, 0): DocsMask::lo without its search */
+        const int lo = q >= ds && q < de ? m.lo_in_doc(q, max(ds, 0)) : m.lo(q);
+        return pack_key_bounds(lo, m.hi(q), k0);
     }
 };
 
