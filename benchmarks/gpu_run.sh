@@ -10,7 +10,7 @@
 #   OUT=/tmp/out NCP_COMMIT=<sha> bash benchmarks/gpu_run.sh [stage ...]
 # Set NCP_COMMIT from the machine that holds the repository: the device tool's copy of .git can be
 # stale, so `git rev-parse` run there may name an older commit than the tree it copied.
-# stages: build baseline ctaclock test sanitize probe compress profile srcprof kernels attn ab abmimo abhost abhint order latency host mimo profmimo flint demo all (default: all; order:
+# stages: build baseline ctaclock test sanitize probe compress profile srcprof kernels sinkpair attn ab abmimo abhost abhint order latency host mimo profmimo flint demo all (default: all; sinkpair: the sink's cost paired by round beside a null row, SINKPAIR_RUNS, SINKPAIR_ARGS; order:
 # bench_bwd_order.py, atomic and deterministic, ORDER_ARGS; probe: the
 # racecheck mbarrier probe, compress: benchmarks/probe_compress.cu, profile: Nsight Compute on named kernels, PROF_RUNS, PROF_ENV; profmimo:
 # benchmarks/profile_mimo.py; latency: benchmarks/probe_latency.py, LATENCY_ARGS; abmimo: benchmarks/ab_mimo.py (.baseline against this tree); abhost:
@@ -170,6 +170,20 @@ fi
 if want kernels; then
   $PY benchmarks/bench_kernels.py --json "$OUT/bench_kernels.json" >> "$SUM" 2>&1
   note "bench_kernels exit $?"
+fi
+
+if [[ " $STAGES " == *" sinkpair "* ]]; then  # only when named: the sink's cost, paired by round, beside a null row
+  # ncp, ncp-nosink and ncp-null (ncp again, under a switch nothing reads): the null row's paired
+  # ratio to ncp is the method's own floor for a difference between two rows. SINKPAIR_RUNS runs.
+  for r in $(seq 1 ${SINKPAIR_RUNS:-2}); do
+    timeout ${ATTN_TIMEOUT:-500} $PY benchmarks/bench_sink_attention.py --impls ncp,ncp-nosink \
+      --variant ncp-null:NCP_BENCH_NULL_ROW=1 --method do_bench --no-flex \
+      ${SINKPAIR_ARGS:---cases flint-8k-causal,flint-32k-causal,flint-2k-w513 --reps 40} \
+      --json "$OUT/sink_pair_$r.json" >> "$SUM" 2>&1
+    note "sink pair run $r: exit $?"
+  done
+  timeout 120 $PY benchmarks/probe_sdpa_kernels.py >> "$SUM" 2>&1
+  note "probe_sdpa_kernels exit $?"
 fi
 
 if want attn; then
