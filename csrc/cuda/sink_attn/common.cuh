@@ -66,17 +66,21 @@ template <> __device__ __forceinline__ void mma16816<__half>(float *c, const uin
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
+/* One A fragment of type T (16 columns) from two C-layout accumulator blocks of 8 columns, r0
+ * and r1 (4 values each): the C -> A identity of the layouts above. */
+template <typename T> __device__ __forceinline__ void pack_frag(uint32_t *f, const float *r0, const float *r1) {
+    f[0] = elem<T>::pack(r0[0], r0[1]);
+    f[1] = elem<T>::pack(r0[2], r0[3]);
+    f[2] = elem<T>::pack(r1[0], r1[1]);
+    f[3] = elem<T>::pack(r1[2], r1[3]);
+}
+
 /* A row of N fp32 accumulators in the C layout (x[4j + e], columns 8j..8j+7) as N/16 A fragments
- * of type T for the next MMA (the C -> A identity of the layouts above; also the wgmma register
- * layouts: the accumulator of m64nN and the A operand of an rs wgmma). */
+ * of type T for the next MMA (pack_frag; also the wgmma register layouts: the accumulator of m64nN
+ * and the A operand of an rs wgmma). */
 template <typename T, int N> __device__ __forceinline__ void to_frags(uint32_t (*f)[4], const float *x) {
 #pragma unroll
-    for (int kk = 0; kk < N / 16; ++kk) {
-        f[kk][0] = elem<T>::pack(x[8 * kk + 0], x[8 * kk + 1]);
-        f[kk][1] = elem<T>::pack(x[8 * kk + 2], x[8 * kk + 3]);
-        f[kk][2] = elem<T>::pack(x[8 * kk + 4], x[8 * kk + 5]);
-        f[kk][3] = elem<T>::pack(x[8 * kk + 6], x[8 * kk + 7]);
-    }
+    for (int kk = 0; kk < N / 16; ++kk) pack_frag<T>(f[kk], x + 8 * kk, x + 8 * kk + 4);
 }
 
 /* ---- shared memory ---------------------------------------------------------------------- */

@@ -209,10 +209,7 @@ __device__ __forceinline__ void mma_pb(float (*acc)[4], const float (*pm)[4], ui
 #pragma unroll
     for (int kk = 0; kk < K / 16; ++kk) {
         uint32_t a[4];
-        a[0] = elem<T>::pack(pm[2 * kk][0], pm[2 * kk][1]);
-        a[1] = elem<T>::pack(pm[2 * kk][2], pm[2 * kk][3]);
-        a[2] = elem<T>::pack(pm[2 * kk + 1][0], pm[2 * kk + 1][1]);
-        a[3] = elem<T>::pack(pm[2 * kk + 1][2], pm[2 * kk + 1][3]);
+        pack_frag<T>(a, pm[2 * kk], pm[2 * kk + 1]);
 #pragma unroll
         for (int dp = 0; dp < D / 16; ++dp) {
             uint32_t bb[4];
@@ -421,22 +418,7 @@ __global__ void __launch_bounds__(kThreads, 2) bwd_dq_kernel(const ncp_sink_attn
                 }
                 s[nt][e] = ex2(x) * (dp[nt][e] - dl[r]);
             }
-        /* dQ += dS K */
-#pragma unroll
-        for (int kk = 0; kk < KB / 16; ++kk) {
-            uint32_t a[4];
-            a[0] = elem<T>::pack(s[2 * kk][0], s[2 * kk][1]);
-            a[1] = elem<T>::pack(s[2 * kk][2], s[2 * kk][3]);
-            a[2] = elem<T>::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-            a[3] = elem<T>::pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-#pragma unroll
-            for (int dp2 = 0; dp2 < D / 16; ++dp2) {
-                uint32_t bb[4];
-                load_b_kn<D>(bb, sK, kk * 16, 2 * dp2, lane);
-                mma16816<T>(dq[2 * dp2], a, bb);
-                mma16816<T>(dq[2 * dp2 + 1], a, bb + 2);
-            }
-        }
+        mma_pb<T, D, KB>(dq, s, sK, lane); /* dQ += dS K */
         __syncthreads();
     }
     cp_async_wait<0>();

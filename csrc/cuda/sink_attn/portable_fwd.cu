@@ -64,12 +64,7 @@ __device__ __forceinline__ void accumulate_pv(float (*acc)[D / 8][4], float (*s)
     for (int kk = 0; kk < BN / 16; ++kk) {
         uint32_t a[MT][4];
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-            a[mt][0] = elem<T>::pack(s[mt][2 * kk][0], s[mt][2 * kk][1]);
-            a[mt][1] = elem<T>::pack(s[mt][2 * kk][2], s[mt][2 * kk][3]);
-            a[mt][2] = elem<T>::pack(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
-            a[mt][3] = elem<T>::pack(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
-        }
+        for (int mt = 0; mt < MT; ++mt) pack_frag<T>(a[mt], s[mt][2 * kk], s[mt][2 * kk + 1]);
 #pragma unroll
         for (int dp = 0; dp < D / 16; ++dp) {
             uint32_t b[4];

@@ -196,10 +196,7 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
 #pragma unroll
         for (int kk = 0; kk < KQB / 16; ++kk) {
             probs_cols(st, dpt, it, full, 2 * kk, 2 * kk + 2);
-            pf[kk][0] = elem<T>::pack(st[8 * kk + 0], st[8 * kk + 1]);
-            pf[kk][1] = elem<T>::pack(st[8 * kk + 2], st[8 * kk + 3]);
-            pf[kk][2] = elem<T>::pack(st[8 * kk + 4], st[8 * kk + 5]);
-            pf[kk][3] = elem<T>::pack(st[8 * kk + 6], st[8 * kk + 7]);
+            pack_frag<T>(pf[kk], st + 8 * kk, st + 8 * kk + 4);
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int c = 8 * kk + 2 * (e & 1) + 4 * (e >> 1); /* the to_frags pairing */
