@@ -91,6 +91,22 @@ template <int D> __device__ __forceinline__ uint32_t swz(int row, int chunk) {
     return (uint32_t)(row * (D * 2) + ((chunk ^ (row & 7)) << 4));
 }
 
+/* Rows [0, ROWS) of the swizzled staging tile `stage` (swz) to rows g0 + row of a global tensor of
+ * row stride st elements, leaving out rows g0 + row >= n: THREADS threads from tid, 16 bytes each. */
+template <typename T, int D, int ROWS, int THREADS>
+__device__ __forceinline__ void copy_staged_rows(uint32_t stage, T *dst, int64_t st, int g0, int n, int tid) {
+    constexpr int kChunks = D / 8;
+    for (int i = tid; i < ROWS * kChunks; i += THREADS) {
+        const int row = i / kChunks, chunk = i % kChunks, g = g0 + row;
+        if (g >= n) continue;
+        uint4 v;
+        asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];\n"
+                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                     : "r"(stage + swz<D>(row, chunk)));
+        *reinterpret_cast<uint4 *>(dst + (int64_t)g * st + chunk * 8) = v;
+    }
+}
+
 __device__ __forceinline__ void ldsm_x4(uint32_t *r, uint32_t addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])

@@ -169,16 +169,7 @@ __device__ __forceinline__ void store_tile(float (*acc)[4], float mul, uint32_t 
         }
     }
     __syncthreads();
-    constexpr int kChunks = D / 8;
-    for (int i = tid; i < 64 * kChunks; i += kThreads) {
-        const int row = i / kChunks, chunk = i % kChunks, g = r0 + row;
-        if (g >= n_rows) continue;
-        uint4 v;
-        asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];\n"
-                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                     : "r"(stage + swz<D>(row, chunk)));
-        *reinterpret_cast<uint4 *>(dst + (int64_t)g * st + chunk * 8) = v;
-    }
+    copy_staged_rows<T, D, 64, kThreads>(stage, dst, st, r0, n_rows, tid);
     __syncthreads();
 }
 

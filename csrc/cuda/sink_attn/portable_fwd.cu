@@ -197,17 +197,7 @@ __global__ void __launch_bounds__(32 * NW, 2) sink_attn_fwd_kernel(const ncp_sin
         }
     }
     __syncthreads();
-    T *oh = reinterpret_cast<T *>(p.out) + (int64_t)h * p.o_sh;
-    constexpr int kChunks = D / 8;
-    for (int i = tid; i < BM * kChunks; i += kThreads) {
-        const int row = i / kChunks, chunk = i % kChunks, q = q0 + row;
-        if (q >= p.Tq) continue;
-        uint4 v;
-        asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];\n"
-                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                     : "r"(sQ + swz<D>(row, chunk)));
-        *reinterpret_cast<uint4 *>(oh + (int64_t)q * p.o_st + chunk * 8) = v;
-    }
+    copy_staged_rows<T, D, BM, kThreads>(sQ, reinterpret_cast<T *>(p.out) + (int64_t)h * p.o_sh, p.o_st, q0, p.Tq, tid);
 }
 
 template <typename T, int D, class Mask> ncp_status launch(const ncp_sink_attn_params &p, cudaStream_t stream) {

@@ -182,10 +182,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         sm90::gemm_rs<T, D, QKB>(dq, df, sK, QKB * 128);
         sm90::wg_wait<0>();
         sm90::fence_regs(dq, D / 2);
-#pragma unroll
-        for (int kk = 0; kk < QKB / 16; ++kk)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(df[kk][e])::"memory");
+        sm90::fence_frags(df, QKB / 16);
         sm90::warp_arrive(bar.e(s));
     }
     store_rows<T, D, QQB>(dq, (float)p.scale, sQ, 64 * cw, reinterpret_cast<T *>(b.dq) + (int64_t)h * b.dq_sh, b.dq_st,

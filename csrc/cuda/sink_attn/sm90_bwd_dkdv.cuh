@@ -132,12 +132,7 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
 #pragma unroll
             for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(pf[kk][e]), "+r"(df[kk][e])::"memory");
     }
-    static __device__ __forceinline__ void fence_frags(uint32_t (*pf)[4]) {
-#pragma unroll
-        for (int kk = 0; kk < KQB / 16; ++kk)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(pf[kk][e])::"memory");
-    }
+    static __device__ __forceinline__ void fence_frags(uint32_t (*pf)[4]) { sm90::fence_frags(pf, KQB / 16); }
 
     /* Without skipping: item it's stage a waited at the top of its turn, and whether it needs the
      * mask pass from the key bounds after its S and dP are done (as bit 1, like flags). */

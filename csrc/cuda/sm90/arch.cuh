@@ -168,6 +168,13 @@ __device__ __forceinline__ void fence_regs(float *r, int n) {
 #pragma unroll
     for (int i = 0; i < n; ++i) asm volatile("" : "+f"(r[i])::"memory");
 }
+/* The same for n A fragments of an rs wgmma (its register operand), kept until the MMA is done. */
+__device__ __forceinline__ void fence_frags(uint32_t (*f)[4], int n) {
+#pragma unroll
+    for (int i = 0; i < n; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(f[i][e])::"memory");
+}
 
 template <int N> __device__ __forceinline__ void reg_alloc() {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
