@@ -91,10 +91,11 @@ template <int D> __device__ __forceinline__ uint32_t swz(int row, int chunk) {
     return (uint32_t)(row * (D * 2) + ((chunk ^ (row & 7)) << 4));
 }
 
-/* Rows [0, ROWS) of the swizzled staging tile `stage` (swz) to rows g0 + row of a global tensor of
- * row stride st elements, leaving out rows g0 + row >= n: THREADS threads from tid, 16 bytes each. */
-template <typename T, int D, int ROWS, int THREADS>
-__device__ __forceinline__ void copy_staged_rows(uint32_t stage, T *dst, int64_t st, int g0, int n, int tid) {
+/* Rows [0, ROWS) of a staging tile in shared memory to rows g0 + row of a global tensor of row
+ * stride st elements, leaving out rows g0 + row >= n: THREADS threads from tid, 16 bytes each;
+ * addr(row, chunk) is the shared address of 16-byte chunk `chunk` of a row (its swizzle). */
+template <typename T, int D, int ROWS, int THREADS, class Addr>
+__device__ __forceinline__ void copy_staged_rows(const Addr &addr, T *dst, int64_t st, int g0, int n, int tid) {
     constexpr int kChunks = D / 8;
     for (int i = tid; i < ROWS * kChunks; i += THREADS) {
         const int row = i / kChunks, chunk = i % kChunks, g = g0 + row;
@@ -102,9 +103,15 @@ __device__ __forceinline__ void copy_staged_rows(uint32_t stage, T *dst, int64_t
         uint4 v;
         asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];\n"
                      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                     : "r"(stage + swz<D>(row, chunk)));
+                     : "r"(addr(row, chunk)));
         *reinterpret_cast<uint4 *>(dst + (int64_t)g * st + chunk * 8) = v;
     }
+}
+/* The same from a tile swizzled as swz. */
+template <typename T, int D, int ROWS, int THREADS>
+__device__ __forceinline__ void copy_staged_rows(uint32_t stage, T *dst, int64_t st, int g0, int n, int tid) {
+    copy_staged_rows<T, D, ROWS, THREADS>([stage](int row, int chunk) { return stage + swz<D>(row, chunk); }, dst, st,
+                                          g0, n, tid);
 }
 
 __device__ __forceinline__ void ldsm_x4(uint32_t *r, uint32_t addr) {

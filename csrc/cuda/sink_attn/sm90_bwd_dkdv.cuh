@@ -133,6 +133,14 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
             for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(pf[kk][e]), "+r"(df[kk][e])::"memory");
     }
     static __device__ __forceinline__ void fence_frags(uint32_t (*pf)[4]) { sm90::fence_frags(pf, KQB / 16); }
+    /* After the wait for an atomic-dQ item's dV, dK and dQ MMAs: their accumulators and the P^T
+     * fragments the dV MMA read. */
+    __device__ __forceinline__ void fence_waited(float *dq, uint32_t (*pf)[4]) {
+        sm90::fence_regs(dv, D / 2);
+        sm90::fence_regs(dk, D / 2);
+        sm90::fence_regs(dq, 32);
+        fence_frags(pf);
+    }
 
     /* Without skipping: item it's stage a waited at the top of its turn, and whether it needs the
      * mask pass from the key bounds after its S and dP are done (as bit 1, like flags). */
@@ -283,10 +291,7 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
                     if (SKIP) f = wait_item(it + 1);
                     sm90::wg_wait<0>();
                 }
-                sm90::fence_regs(dv, D / 2);
-                sm90::fence_regs(dk, D / 2);
-                sm90::fence_regs(dq, 32);
-                fence_frags(pf);
+                fence_waited(dq, pf);
             } else { /* D = 128, none of this warpgroup's keys seen: its dS^T rows would be zero, so
                       * neither warpgroup reads them (bit 2 of the other's flags), and its dQ columns
                       * take the other warpgroup's keys alone, or are zero when no key is seen */
@@ -416,10 +421,7 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
         sm90::wg_commit();
         const uint32_t fn = SKIP ? wait_item(it + 1) : 1u; /* off the MMA issue path */
         sm90::wg_wait<0>();
-        sm90::fence_regs(dv, D / 2);
-        sm90::fence_regs(dk, D / 2);
-        sm90::fence_regs(dq, 32);
-        fence_frags(pf);
+        fence_waited(dq, pf);
         release(it);
         if (!FIRST) {
             if (it - 1 <= n - 3) sm90::named_arrive(kDqDone + 2 * cw + ((it - 1) & 1), 256);

@@ -360,16 +360,9 @@ __device__ __forceinline__ void store_rows(const float *acc, float mul, uint32_t
             asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v));
         }
     sm90::named_sync(1 + cw, 128);
-    constexpr int kChunks = D / 8;
-    for (int i = tid; i < 64 * kChunks; i += 128) {
-        const int row = i / kChunks, chunk = i % kChunks, g = r0 + row;
-        if (g >= n_rows) continue;
-        uint4 v;
-        asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];\n"
-                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                     : "r"(stage + sm90::sw128_offset(SR, srow0 + row, chunk * 8)));
-        *reinterpret_cast<uint4 *>(dst + (int64_t)g * st + chunk * 8) = v;
-    }
+    copy_staged_rows<T, D, 64, 128>(
+        [stage, srow0](int row, int chunk) { return stage + sm90::sw128_offset(SR, srow0 + row, chunk * 8); }, dst, st,
+        r0, n_rows, tid);
     sm90::named_sync(1 + cw, 128);
 }
 #endif /* NCP_SM90_DEVICE */
