@@ -132,14 +132,13 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
 #pragma unroll
             for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(pf[kk][e]), "+r"(df[kk][e])::"memory");
     }
-    static __device__ __forceinline__ void fence_frags(uint32_t (*pf)[4]) { sm90::fence_frags(pf, KQB / 16); }
     /* After the wait for an atomic-dQ item's dV, dK and dQ MMAs: their accumulators and the P^T
      * fragments the dV MMA read. */
     __device__ __forceinline__ void fence_waited(float *dq, uint32_t (*pf)[4]) {
         sm90::fence_regs(dv, D / 2);
         sm90::fence_regs(dk, D / 2);
         sm90::fence_regs(dq, 32);
-        fence_frags(pf);
+        sm90::fence_frags(pf, KQB / 16);
     }
 
     /* Without skipping: item it's stage a waited at the top of its turn, and whether it needs the
