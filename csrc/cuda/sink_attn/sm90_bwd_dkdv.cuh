@@ -126,12 +126,6 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
     __device__ __forceinline__ void wait_b(int it) const {
         sm90::mbar_wait(bar.b(Ring::slot(it)), Ring::full_phase(it));
     }
-    static __device__ __forceinline__ void fence_frags(uint32_t (*pf)[4], uint32_t (*df)[4]) {
-#pragma unroll
-        for (int kk = 0; kk < KQB / 16; ++kk)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(pf[kk][e]), "+r"(df[kk][e])::"memory");
-    }
     /* After the wait for an atomic-dQ item's dV, dK and dQ MMAs: their accumulators and the P^T
      * fragments the dV MMA read. */
     __device__ __forceinline__ void fence_waited(float *dq, uint32_t (*pf)[4]) {
@@ -186,7 +180,8 @@ template <typename T, int D, bool ADQ> struct DkdvConsumer {
             sm90::wg_wait<0>();
             sm90::fence_regs(dv, D / 2);
             sm90::fence_regs(dk, D / 2);
-            fence_frags(pf, df);
+            sm90::fence_frags(pf, KQB / 16);
+            sm90::fence_frags(df, KQB / 16);
             release(it);
         }
     }
