@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Whether a change to the CUDA sources changes any machine code: compiles every .cu file under
 # csrc/cuda at REV (git archive, in a temporary folder) and in this work tree to cubins, for sm_90a
-# (the Hopper kernels) and sm_80 (the portable ones), with the flags of setup.py's release build,
-# and compares them byte for byte. nvcc's cubins are deterministic for the same source, so a
-# refactor that prints "same" everywhere needs no GPU run to keep its kernels' speed and results.
+# (the Hopper kernels) and sm_80 (the portable ones), with setup.py's release flags less -lineinfo
+# (line tables move with any edit; the machine code is what is compared), and compares them byte
+# for byte. nvcc's cubins are deterministic for the same source, so a refactor that prints "same"
+# everywhere needs no GPU run to keep its kernels' speed and results.
 #
 #   bash scripts/same_cubins.sh [REV]          (default REV: HEAD; needs nvcc; exit 1 on a difference)
 set -euo pipefail
@@ -24,7 +25,7 @@ build() {  # build <tag>: the sources in $TMP/src
       local defs=""
       [ "$arch" = 90a ] && defs="-DNCP_SM90A_BUILD=1"
       (cd "$TMP/src" && "$NVCC" -std=c++17 --expt-relaxed-constexpr -Icsrc/include -Icsrc/core -O3 -DNDEBUG \
-        -DNCP_WITH_CUDA=1 $defs -diag-suppress 177 -arch=sm_$arch -cubin "$f" -o "$TMP/out/$1.${f//\//_}.$arch.cubin")
+        $defs -diag-suppress 177 -arch=sm_$arch -cubin "$f" -o "$TMP/out/$1.${f//\//_}.$arch.cubin")
     done
   done < <(cd "$TMP/src" && find csrc/cuda -name '*.cu' | sort)
 }
