@@ -6,7 +6,7 @@ few shapes, D = 64 and 128, repeated; then where a D = 64 deterministic dq goes 
     python benchmarks/diag_bwd_flaky.py
 """
 import os, sys, torch
-sys.path.insert(0, os.getcwd())
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 import nemo_cp_native as ncp
 from nemo_cp_native import testing
 from nemo_cp_native.testing import attn_debug, make_attention_case

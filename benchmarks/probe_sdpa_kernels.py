@@ -2,10 +2,14 @@
 
     python benchmarks/probe_sdpa_kernels.py
 """
+import os
+import sys
+
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from nemo_cp_native import baselines as bl
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
+from nemo_cp_native import baselines as bl  # noqa: E402
 
 q, k, v = (torch.randn(4, 32768, h, 128, device="cuda", dtype=torch.bfloat16) for h in (32, 4, 4))
 q, k, v = (t.transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))

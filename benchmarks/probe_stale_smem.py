@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.getcwd())
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 import nemo_cp_native as ncp  # noqa: E402
 from nemo_cp_native.testing import attn_debug, doc_lengths, make_attention_case  # noqa: E402
 

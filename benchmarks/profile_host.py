@@ -17,13 +17,14 @@ import time
 
 import torch
 
-import nemo_cp_native as ncp
-from nemo_cp_native import attention as A
-from nemo_cp_native._ops import _C, dl, dl_named, stream_of
-from nemo_cp_native.testing import doc_lengths, make_attention_case
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [_HERE, os.path.dirname(_HERE)]  # benchmarks/ and the repository root
 from bench_host import backward_host_us  # noqa: E402
+
+import nemo_cp_native as ncp  # noqa: E402
+from nemo_cp_native import attention as A  # noqa: E402
+from nemo_cp_native._ops import _C, dl, dl_named, stream_of  # noqa: E402
+from nemo_cp_native.testing import doc_lengths, make_attention_case  # noqa: E402
 
 
 def under_spin(fn, reps=30):
