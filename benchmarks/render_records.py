@@ -13,7 +13,8 @@ rows: no sink, deterministic backward, A/B variants), ``mimo`` (one or more runs
 bench_mimo_shard.py), ``flint`` (one or more runs of bench_flint.py), ``host`` (bench_host.py),
 ``order`` (bench_bwd_order.py), ``ab`` (ab_attention.py), ``ab-bwd`` (ab_attention.py, the backward
 alone, paired by round), ``ab-mimo`` (ab_mimo.py), ``ab-hint``
-(ab_table_hint.py), ``ab-host`` (ab_host.py), ``tried`` (the losers, from the files that record them).
+(ab_table_hint.py), ``ab-host`` (ab_host.py), ``sink-pair`` (gpu_run.sh sinkpair: the sink's cost
+and a null row, paired by round), ``tried`` (the losers, from the files that record them).
 
     # after a GPU run of benchmarks/gpu_run.sh: copy its JSON into benchmarks/results/ and re-render
     python benchmarks/render_records.py --import $OUT [--prune]
@@ -531,9 +532,34 @@ def render_ab_hint(paths: list[str]) -> str:
     return "\n".join(out)
 
 
+def render_sink_pair(paths: list[str]) -> str:
+    """gpu_run.sh sinkpair: per run, each row's time against ``ncp`` round by round (the ``*_vs_ncp``
+    medians and quartiles). ``ncp-null`` is ``ncp`` again: its spread is the method's own floor."""
+    out = ["Time against `ncp` (with the sink), round by round: median [quartiles] of the per-round ratios; "
+           "below 1 = faster than the sink row:", "",
+           "| run | case | no sink: fwd | no sink: fwd+bwd | null row: fwd | null row: fwd+bwd |",
+           "|---:|---|---|---|---|---|"]  # fmt: skip
+
+    def q(r, k):
+        x = (r or {}).get(k)
+        return "–" if not x else f"{x['median']:.4f} [{x['q1']:.4f}, {x['q3']:.4f}]"
+
+    for i, path in enumerate(paths, 1):
+        data = _read(path)
+        by = {(r["case"], r["impl"]): r for r in data["rows"]}
+        cases = list(dict.fromkeys(r["case"] for r in data["rows"]))
+        for c in cases:
+            ns, nl = by.get((c, "ncp-nosink")), by.get((c, "ncp-null"))
+            out.append(f"| {i} | {c} | {q(ns, 'fwd_vs_ncp')} | {q(ns, 'fwdbwd_vs_ncp')} | {q(nl, 'fwd_vs_ncp')} | "
+                       f"{q(nl, 'fwdbwd_vs_ncp')} |")  # fmt: skip
+    out.append("")
+    out += [source_line(path, _read(path)["env"], True) for path in paths]
+    return "\n".join(out)
+
+
 RENDER = {"attn": render_attn, "attn-extra": render_attn_extra, "mimo": render_mimo, "flint": render_flint, "ab": render_ab, "ab-bwd": render_ab_bwd, "host": render_host,
           "tried": render_tried, "order": render_order, "ab-mimo": render_ab_mimo, "ab-hint": render_ab_hint,
-          "ab-host": render_ab_host}  # fmt: skip
+          "ab-host": render_ab_host, "sink-pair": render_sink_pair}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------

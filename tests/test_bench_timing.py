@@ -137,3 +137,32 @@ def test_interleaved_rounds_are_kept_per_row(clock):
         assert set(fwd) == set(fwdbwd) == {ms} and out[name, "do_bench"] == (ms, ms)
     r = mod.paired_ratio(samples["ncp", "do_bench"][1], samples["ncp-nosink", "do_bench"][1])
     assert r["median"] == 1.5
+
+
+def test_sink_pair_block_renders_the_paired_ratios(tmp_path):
+    """render_records' sink-pair block: one line per run and case, the no-sink and null rows'
+    paired medians and quartiles against ``ncp``; a row that did not run reads "–"."""
+    import json
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    import render_records
+
+    env = {"commit": "abc1234", "torch": "2.11", "python": "3.12", "gpu": "GPU X", "cuda": "13.0",
+           "date": "2026-12-07T23:38:59+00:00", "argv": "benchmarks/bench_sink_attention.py --impls ncp,ncp-nosink"}
+    ratio = {"median": 0.9961, "q1": 0.9912, "q3": 1.0, "rounds": 24}
+    rows = [{"case": "c32k", "impl": "ncp"},
+            {"case": "c32k", "impl": "ncp-nosink", "fwd_vs_ncp": ratio, "fwdbwd_vs_ncp": ratio},
+            {"case": "w2k", "impl": "ncp"},
+            {"case": "w2k", "impl": "ncp-null", "fwd_vs_ncp": ratio, "fwdbwd_vs_ncp": dict(ratio, median=1.0031)}]
+    paths = []
+    for i in (1, 2):
+        p = tmp_path / f"sink_pair_{i}.json"
+        p.write_text(json.dumps({"env": env, "rows": rows}))
+        paths.append(str(p))
+    page = render_records.render_sink_pair(paths)
+    lines = page.splitlines()
+    assert "| 1 | c32k | 0.9961 [0.9912, 1.0000] | 0.9961 [0.9912, 1.0000] | – | – |" in lines
+    assert "| 2 | w2k | – | – | 0.9961 [0.9912, 1.0000] | 1.0031 [0.9912, 1.0000] |" in lines
+    assert sum(line.startswith("Source: ") for line in lines) == 2 and "commit `abc1234`" in page
