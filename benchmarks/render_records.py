@@ -544,8 +544,8 @@ def render_sink_pair(paths: list[str]) -> str:
         x = (r or {}).get(k)
         return "–" if not x else f"{x['median']:.4f} [{x['q1']:.4f}, {x['q3']:.4f}]"
 
-    for i, path in enumerate(paths, 1):
-        data = _read(path)
+    runs = [(path, _read(path)) for path in paths]
+    for i, (_, data) in enumerate(runs, 1):
         by = {(r["case"], r["impl"]): r for r in data["rows"]}
         cases = list(dict.fromkeys(r["case"] for r in data["rows"]))
         for c in cases:
@@ -553,7 +553,7 @@ def render_sink_pair(paths: list[str]) -> str:
             out.append(f"| {i} | {c} | {q(ns, 'fwd_vs_ncp')} | {q(ns, 'fwdbwd_vs_ncp')} | {q(nl, 'fwd_vs_ncp')} | "
                        f"{q(nl, 'fwdbwd_vs_ncp')} |")  # fmt: skip
     out.append("")
-    out += [source_line(path, _read(path)["env"], True) for path in paths]
+    out += [source_line(path, data["env"], True) for path, data in runs]
     return "\n".join(out)
 
 
