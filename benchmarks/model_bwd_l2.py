@@ -35,18 +35,10 @@ def ctas(docs: int, doc_len: int, hkv: int, grid: str = "tile-major") -> list[tu
     """(doc, kv head, key tile, q tiles seen) in index order: launch order of the causal grid.
     ``tile-major`` is main's (blockIdx.x = kv head, blockIdx.y = the packed key tile; linear index
     y * hkv + x); ``head-major``: every key tile of kv head 0, then of kv head 1, ..."""
-    out = []
-    kt_per_doc = doc_len // KVB
+    kt = doc_len // KVB
+    out = [(d, h, j, doc_len // KQB - (j * KVB) // KQB) for d in range(docs) for j in range(kt) for h in range(hkv)]
     if grid == "head-major":
-        for h in range(hkv):
-            for d in range(docs):
-                for j in range(kt_per_doc):
-                    out.append((d, h, j, doc_len // KQB - (j * KVB) // KQB))
-        return out
-    for d in range(docs):
-        for j in range(kt_per_doc):
-            for h in range(hkv):
-                out.append((d, h, j, doc_len // KQB - (j * KVB) // KQB))
+        out.sort(key=lambda c: c[1])  # stable: within a kv head, documents and key tiles in order
     return out
 
 
@@ -100,10 +92,7 @@ def simulate(docs: int, doc_len: int, hkv: int, G: int, l2_bytes: int, order: st
                 stats["write_bytes"] += sz
 
     pending = iter(longest_first(ctas(docs, doc_len, hkv, grid), sms))
-    running = [None] * sms
-    for s in range(sms):
-        c = next(pending, None)
-        running[s] = items(c, G, order, doc_len) if c is not None else None
+    running = [iter(()) for _ in range(sms)]  # each SM takes its first CTA in the first step
     steps = 0
     while any(r is not None for r in running):
         for s in range(sms):

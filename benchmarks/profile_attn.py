@@ -37,7 +37,7 @@ def main(argv: list[str]) -> None:
         args = (c["q"], c["k"], c["v"], c["sink"], c["cu_seqlens"])
         dout = torch.randn_like(c["q"]) if bwd else None
         if sdpa:
-            q, k, v = (bl.to_documents(t.detach(), doc_len).requires_grad_(bwd) for t in args[:3])
+            q, k, v = (bl.to_documents(t, doc_len).requires_grad_(bwd) for t in args[:3])
             dout = bl.to_documents(dout, doc_len) if bwd else None
 
             def call():
